@@ -1,0 +1,56 @@
+"""The one merge function for trace-shared values.
+
+Programs contribute to a named shared value with a declared merge; once every invoke (and every
+pipeline stage) of the trace has reported, the contributions are merged here. The local driver
+uses it now; the cluster's collector actor uses it as is.
+
+    >>> merge_shared([(0, "n", "sum", 1), (1, "n", "sum", 2)])
+    {'n': 3}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+MERGES = ("append", "sum", "mean", "max", "concat")
+
+Contribution = tuple[int, str, str, Any]  # (invoke index, name, merge, value)
+
+
+def merge_shared(contributions: Iterable[Contribution]) -> dict[str, Any]:
+    """Merge every name's contributions, in invoke order (stable within one invoke)."""
+    by_name: dict[str, list[tuple[int, str, Any]]] = {}
+    for invoke, name, how, value in contributions:
+        by_name.setdefault(name, []).append((invoke, how, value))
+    merged = {}
+    for name, items in by_name.items():
+        hows = {how for _, how, _ in items}
+        if len(hows) != 1:
+            raise ValueError(f"shared value {name!r} was contributed with different merges {sorted(hows)}; use one")
+        items.sort(key=lambda item: item[0])
+        merged[name] = merge_values([value for _, _, value in items], hows.pop())
+    return merged
+
+
+def merge_values(values: list[Any], how: str) -> Any:
+    kind, _, arg = how.partition(":")
+    if kind == "append":
+        return list(values)
+    if kind == "sum":
+        return _reduce(values, lambda a, b: a + b)
+    if kind == "mean":
+        return _reduce(values, lambda a, b: a + b) / len(values)
+    if kind == "max":
+        return _reduce(values, lambda a, b: torch.maximum(a, b) if isinstance(a, torch.Tensor) else max(a, b))
+    if kind == "concat":
+        return torch.cat([torch.as_tensor(v) for v in values], dim=int(arg or 0))
+    raise ValueError(f"unknown merge {how!r}; choose one of {list(MERGES)} (concat takes ':dim', e.g. 'concat:1')")
+
+
+def _reduce(values: list[Any], fn) -> Any:
+    out = values[0]
+    for value in values[1:]:
+        out = fn(out, value)
+    return out

@@ -1,0 +1,1 @@
+"""Bundled YAML configs (``models/*.yaml``), read through :mod:`interlace.cluster.config`."""

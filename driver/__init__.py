@@ -1,0 +1,17 @@
+"""interlace: intervention programs inside vLLM, from a laptop CPU to a GPU cluster.
+
+    >>> import interlace
+    >>> model = interlace.Model()                     # the embedded tiny Llama on a local engine
+    >>> def program(m):                               # called once per generation step
+    ...     m.save("resid", m.layers[1].resid)
+    >>> model.generate("Hello", program=program).saves["resid"]
+
+See ``interlace.Model`` for traces with several invokes, ``interlace.ops`` for declarative
+interventions, and docs/ for steering, logit lens and activation patching examples.
+"""
+
+from interlace import ops
+from interlace.model import Model, Trace
+from interlace.trace import InterventionError, InvokeResult, TraceResult, batched
+
+__all__ = ["Model", "Trace", "TraceResult", "InvokeResult", "InterventionError", "batched", "ops"]

@@ -1,0 +1,224 @@
+"""The model handle: a vLLM engine plus the trace API.
+
+    >>> import torch, interlace
+    >>> model = interlace.Model("tiny-llama")          # the embedded default; or a config path
+    >>> out = model.generate("The capital of France is", max_tokens=5)
+    >>> out.text
+
+Read activations with a program (a plain function, called once per generation step)::
+
+    >>> def keep(m):
+    ...     m.save("resid2", m.layers[2].resid)           # [prompt tokens, hidden] at step 0
+    >>> model.generate("Hello", program=keep).saves["resid2"].shape
+
+Steer, patch and compare several prompts in one trace::
+
+    >>> vec = torch.randn(128)
+    >>> with model.trace(max_tokens=8) as tr:
+    ...     tr.invoke("I think that", ops=[interlace.ops.add("layers.1.resid", vec)])
+    ...     tr.invoke("I think that")                      # plain: runs untouched
+    >>> tr.result[0].text, tr.result[1].text
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from interlace.cluster.config import ModelConfig
+from interlace.cluster.merge import merge_shared
+from interlace.trace import (
+    DEFAULT_TIMEOUT_S,
+    InterventionError,
+    Invoke,
+    InvokeResult,
+    TraceResult,
+    check_ops,
+    encode_payloads,
+    new_trace_id,
+)
+from interlace.workers.points import ModuleTree
+from interlace.workers.sink import report_name
+
+DEFAULT_MAX_SAVE_BYTES = 1 << 30
+_REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
+
+
+class Model:
+    """A model served by a local vLLM engine (started on first use)."""
+
+    def __init__(self, config: str | Path | ModelConfig = "tiny-llama", **engine_overrides: Any):
+        self.config = config if isinstance(config, ModelConfig) else ModelConfig.load(config)
+        self.engine_overrides = engine_overrides
+        self._engine = None
+        self._tree: ModuleTree | None = None
+        self._lock = threading.Lock()
+        self._sink_root = Path(tempfile.mkdtemp(prefix="interlace-", dir=_fast_tmp()))
+
+    # --- engine ------------------------------------------------------------------------------
+
+    @property
+    def engine(self):
+        """The underlying ``vllm.LLM`` (started on first access)."""
+        if self._engine is None:
+            from interlace.cluster.engine import start_engine
+
+            self._engine = start_engine(self.config, **self.engine_overrides)
+        return self._engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    @property
+    def tree(self) -> ModuleTree:
+        """The model's module names, as the workers see them (used to check ops early)."""
+        if self._tree is None:
+            names: list[str] = []
+            for rank_names in self.engine.collective_rpc("interlace_module_names"):
+                names += [n for n in rank_names if n not in names]
+            self._tree = ModuleTree(names=names)
+        return self._tree
+
+    def close(self) -> None:
+        """Shut the engine down and remove the report folder."""
+        if self._engine is not None:
+            from interlace.cluster.engine import shutdown_engine
+
+            shutdown_engine(self._engine)
+            self._engine = None
+        shutil.rmtree(self._sink_root, ignore_errors=True)
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- traces ------------------------------------------------------------------------------
+
+    def trace(self, max_tokens: int = 1, temperature: float = 0.0, seed: int | None = None,
+              logprobs: bool = False, timeout_s: float | None = None,
+              max_save_bytes: int = DEFAULT_MAX_SAVE_BYTES, **sampling: Any) -> "Trace":
+        """Start a trace; add invokes with ``tr.invoke(...)``; it runs when the ``with`` block ends.
+
+        ``sampling`` passes further ``vllm.SamplingParams`` fields (``ignore_eos``, ``top_p``...).
+        """
+        settings = dict(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                        logprobs=0 if logprobs else None, **sampling)
+        return Trace(self, settings, timeout_s or DEFAULT_TIMEOUT_S(), max_save_bytes)
+
+    def generate(self, prompt: str | list[int], program: Callable | None = None,
+                 ops: Iterable[dict] = (), steps: Iterable[int] | None = None, **trace_kwargs: Any) -> InvokeResult:
+        """One invoke in its own trace; returns its :class:`InvokeResult`."""
+        with self.trace(**trace_kwargs) as tr:
+            tr.invoke(prompt, program=program, ops=ops, steps=steps)
+        return tr.result[0]
+
+    def _run(self, trace: "Trace") -> TraceResult:
+        from vllm import SamplingParams
+
+        for inv in trace.invokes:
+            check_ops(inv.ops, self.tree)
+        trace_id = new_trace_id()
+        sink = f"dir:{self._sink_root}"
+        payloads = encode_payloads(trace.invokes, trace_id, sink, trace.timeout_s, trace.max_save_bytes)
+        prompts, params = [], []
+        for index, (inv, payload) in enumerate(zip(trace.invokes, payloads)):
+            prompt: dict = {"prompt": inv.prompt} if isinstance(inv.prompt, str) else {"prompt_token_ids": list(inv.prompt)}
+            extra = None
+            if payload is not None:
+                # A unique salt keeps prefix caching from skipping this request's prompt tokens,
+                # which its hooks must see; plain requests keep the cache.
+                prompt["cache_salt"] = f"interlace-{trace_id}-{index}"
+                extra = {"interlace": payload}
+            prompts.append(prompt)
+            params.append(SamplingParams(**trace.settings, extra_args=extra))
+        with self._lock:
+            outputs = self.engine.generate(prompts, params, use_tqdm=False)
+        reports = self._collect(trace_id, [i for i, p in enumerate(payloads) if p is not None])
+        return _assemble(trace.invokes, outputs, reports)
+
+    def _collect(self, trace_id: str, intervened: list[int]) -> dict[int, list[dict]]:
+        import torch
+
+        stages = self.config.pipeline_parallel_size
+        folder = self._sink_root / trace_id
+        wanted = {(i, s): folder / report_name(i, s) for i in intervened for s in range(stages)}
+        deadline = time.monotonic() + _REPORT_GRACE_S
+        while not all(p.exists() for p in wanted.values()):
+            if time.monotonic() > deadline:
+                missing = sorted(k for k, p in wanted.items() if not p.exists())
+                raise RuntimeError(f"trace {trace_id}: no report from (invoke, stage) {missing} "
+                                   f"within {_REPORT_GRACE_S:.0f}s; a worker may have died")
+            time.sleep(0.002)
+        reports: dict[int, list[dict]] = {}
+        for (invoke, _stage), path in sorted(wanted.items()):
+            reports.setdefault(invoke, []).append(torch.load(path, weights_only=False))
+        shutil.rmtree(folder, ignore_errors=True)
+        return reports
+
+
+class Trace:
+    """A trace being built: ``with model.trace(...) as tr: tr.invoke(...)``; then ``tr.result``."""
+
+    def __init__(self, model: Model, settings: dict, timeout_s: float, max_save_bytes: int):
+        self.model = model
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.max_save_bytes = max_save_bytes
+        self.invokes: list[Invoke] = []
+        self.result: TraceResult | None = None
+
+    def invoke(self, prompt: str | list[int], program: Callable | None = None,
+               ops: Iterable[dict] = (), steps: Iterable[int] | None = None) -> int:
+        """Add a prompt (text or token ids) with an optional program and ops; returns its index."""
+        if not isinstance(prompt, (str, list, tuple)) or (not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt)):
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if program is not None and not callable(program):
+            raise TypeError(f"program must be a function taking the model view m, got {program!r}")
+        self.invokes.append(Invoke(prompt, program, list(ops), sorted(steps) if steps is not None else None))
+        return len(self.invokes) - 1
+
+    def run(self) -> TraceResult:
+        if not self.invokes:
+            raise ValueError("the trace has no invokes; add one with tr.invoke(prompt, ...)")
+        self.result = self.model._run(self)
+        return self.result
+
+    def __enter__(self) -> "Trace":
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        if exc_type is None:
+            self.run()
+
+
+def _assemble(invokes: list[Invoke], outputs, reports: dict[int, list[dict]]) -> TraceResult:
+    results, contributions, first_error = [], [], None
+    for index, (inv, out) in enumerate(zip(invokes, outputs)):
+        completion = out.outputs[0]
+        saves: dict[str, Any] = {}
+        for report in reports.get(index, []):  # one per pipeline stage
+            saves.update(report["saves"])
+            contributions += [(index, name, how, value) for name, how, value in report["shared"]]
+            if report["error"] is not None and first_error is None:
+                first_error = (index, report["error"])
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)]
+        results.append(InvokeResult(inv.prompt, list(completion.token_ids), completion.text, saves, logprobs))
+    result = TraceResult(results, {})
+    if first_error is not None:
+        raise InterventionError(first_error[0], first_error[1], partial=result)
+    result.shared = merge_shared(contributions)
+    return result
+
+
+def _fast_tmp() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None

@@ -1,0 +1,70 @@
+"""Declarative operations: interventions as data, no code.
+
+They give the same results as the equivalent program, run without a program thread, and batch
+across invokes: the form for untrusted users and for speed.
+
+    >>> import torch, interlace
+    >>> from interlace import ops
+    >>> steer = ops.add("layers.2.resid", torch.randn(128))           # every token, every step
+    >>> keep = ops.save("layers.2.resid", tokens="last", steps=[0])   # the prompt's last token
+    >>> ablate = ops.zero("layers.1.mlp.output", tokens=[3, 4])       # positions 3 and 4
+
+Points: ``"<module path>.output"``, ``".input"``, ``"layers.<i>.resid"`` (residual stream after a
+layer), ``"embeddings"``, ``"final"`` (final norm output), ``"logits"``. ``tokens``: ``"all"``,
+``"last"`` (the prompt's last token at step 0, the new token after), or a list of positions.
+``steps``: None for every step, or a list of steps (0 is the prompt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import cloudpickle
+import torch
+
+Tokens = str | Iterable[int]
+
+
+def save(point: str, name: str | None = None, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
+    """Save ``point`` into each invoke's ``saves[name or point]`` (steps concatenate along dim 0)."""
+    return _op("save", point, tokens, steps, name=name or point)
+
+
+def add(point: str, vector: torch.Tensor, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
+    """Add ``vector`` (broadcast over the selected rows) to ``point``: steering."""
+    return _op("add", point, tokens, steps, value=torch.as_tensor(vector))
+
+
+def scale(point: str, factor: float, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
+    """Multiply ``point`` by ``factor``."""
+    return _op("scale", point, tokens, steps, value=float(factor))
+
+
+def replace(point: str, value: torch.Tensor, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
+    """Replace the selected rows of ``point`` with ``value`` (broadcast)."""
+    return _op("replace", point, tokens, steps, value=torch.as_tensor(value))
+
+
+def zero(point: str, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
+    """Zero ``point`` (ablation)."""
+    return _op("zero", point, tokens, steps)
+
+
+def _op(kind: str, point: str, tokens: Tokens, steps, **fields) -> dict:
+    if not isinstance(point, str) or not point:
+        raise TypeError(f"point must be a string like 'layers.3.resid', got {point!r}")
+    if point == "samples":
+        raise ValueError("ops cannot address 'samples'; force tokens from a program (m.samples = ...)")
+    if point == "logits" and tokens != "all":
+        raise ValueError("'logits' has one row per step; leave tokens='all'")
+    if isinstance(tokens, str):
+        if tokens not in ("all", "last"):
+            raise ValueError(f"tokens must be 'all', 'last' or a list of positions, got {tokens!r}")
+    else:
+        tokens = sorted(int(t) for t in tokens)
+    op = {"op": kind, "point": point, "tokens": tokens,
+          "steps": sorted(int(s) for s in steps) if steps is not None else None, **fields}
+    # Invokes carrying equal ops are applied as one batched tensor operation on the worker.
+    op["key"] = hashlib.sha256(cloudpickle.dumps(op)).hexdigest()[:16]
+    return op

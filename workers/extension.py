@@ -1,0 +1,41 @@
+"""vLLM worker extension: the entry point of interlace inside every worker rank.
+
+vLLM mixes this class into its worker (``worker_extension_cls``); an extension may only add methods,
+so :meth:`interlace_install` is called once through ``collective_rpc`` after start-up
+(:func:`interlace.cluster.engine.start_engine` does it) and wires interlace into the model runner.
+"""
+
+from __future__ import annotations
+
+
+class InterlaceWorkerExtension:
+    def interlace_install(self) -> None:
+        from interlace.workers.runner_hooks import install
+
+        runner = self.model_runner
+        _ensure_pp_receive_buffer(runner)
+        if getattr(runner, "_interlace", None) is None:
+            runner._interlace = install(runner)
+
+    def interlace_module_names(self) -> list[str]:
+        """Module names of this rank's model, for validating points on the driver."""
+        return [name for name, _ in self.model_runner.model.named_modules()]
+
+    def interlace_installed_hooks(self) -> list[tuple[str, str]]:
+        """Hooks currently installed (tests check that finished traces leave none behind)."""
+        return self.model_runner._interlace.hooks.installed
+
+
+def _ensure_pp_receive_buffer(runner) -> None:
+    """Allocate the pipeline receive buffer that CPU eager mode never warms up.
+
+    The V1 runner creates it in a dummy run that the CPU worker skips in eager mode, and later
+    stages then fail with ``assert self.intermediate_tensors is not None``.
+    """
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", True) is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )

@@ -1,0 +1,66 @@
+"""Forward hooks, installed only on modules that some live invoke needs.
+
+Each hooked (module, family) pair remembers its owners (request ids); when the last owner finishes,
+the hook is removed, so a step with no interventions runs vLLM's model untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from interlace.workers.points import Point, ModuleTree
+
+OnPoint = Callable[[str, str, Any], Any]  # (module, family, hooked value) -> value
+
+
+class HookSet:
+    def __init__(self, tree: ModuleTree, sampler: nn.Module | None, on_point: OnPoint):
+        self.tree = tree
+        self.sampler = sampler
+        self.on_point = on_point
+        self._handles: dict[tuple[str, str], Any] = {}
+        self._owners: dict[tuple[str, str], set[str]] = {}
+
+    def want(self, point: Point, owner: str) -> None:
+        key = _family(point)
+        if key not in self._handles:
+            self._handles[key] = self._install(*key)
+        self._owners.setdefault(key, set()).add(owner)
+
+    def release(self, owner: str) -> None:
+        for key in [k for k, owners in self._owners.items() if owner in owners]:
+            owners = self._owners[key]
+            owners.discard(owner)
+            if not owners:
+                self._handles.pop(key).remove()
+                del self._owners[key]
+
+    @property
+    def installed(self) -> list[tuple[str, str]]:
+        return sorted(self._handles)
+
+    def _install(self, module: str, family: str):
+        on_point = self.on_point
+        if family == "input":
+            return self.tree.modules[module].register_forward_pre_hook(
+                lambda _m, args: on_point(module, "input", args)
+            )
+        if family == "logits":
+            target = self.tree.modules.get("logits_processor")
+        elif family == "samples":
+            target = self.sampler
+        else:
+            target = self.tree.modules[module]
+        if target is None:
+            raise AttributeError(f"this model has no {family!r} module to hook")
+        return target.register_forward_hook(lambda _m, _args, out: on_point(module, family, out))
+
+
+def _family(point: Point) -> tuple[str, str]:
+    if point.kind == "input":
+        return (point.module, "input")
+    if point.kind in ("logits", "samples"):
+        return ("", point.kind)
+    return (point.module, "output")  # output, resid and final all read the module's output

@@ -1,0 +1,481 @@
+"""The interleaver: runs every invoke's program and ops alongside vLLM's forward pass.
+
+Lifecycle, one visible place per phase (called by :mod:`interlace.workers.runner_hooks`):
+
+    admit(new requests)        parse each request's payload (first scheduling only)
+    begin_step(layout)         map rows to invokes, group invokes into calls, start programs
+    on_point(...)              at each hooked module: ops, then programs in invoke order
+    end_step()                 close the step's calls; failures become records, never exceptions
+    finish(finished ids)       report saves, shared contributions and errors; drop state
+
+Nothing here raises into vLLM: a failing program fails its invokes and the step goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import torch
+
+from interlace.workers.calls import ProgramCall, error_record
+from interlace.workers.hooks import HookSet
+from interlace.workers.layout import BatchLayout
+from interlace.workers.ops import OpSite, apply as apply_op, select_rows
+from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, Rows, token_dim
+from interlace.workers.sink import open_sink
+from interlace.workers.view import ProgramView
+
+PAYLOAD_KEY = "interlace"
+
+
+@dataclass
+class InvokeState:
+    """Long-lived state of one intervened request on this rank."""
+
+    req_id: str
+    trace: str
+    invoke: int
+    prompt_len: int
+    program: Any  # callable or None
+    group_key: str | None  # invokes with the same key share one call per step (batched programs)
+    ops: list[dict]
+    steps: frozenset[int] | None  # program steps; None = every step
+    sink: str
+    timeout_s: float
+    max_save_bytes: int
+    saves: dict[str, list] = field(default_factory=dict)
+    shared: list[tuple[str, str, Any]] = field(default_factory=list)
+    error: dict | None = None
+    save_bytes: int = 0
+    touched: set[str] = field(default_factory=set)  # modules this invoke's program reached
+
+    def fail(self, record: dict) -> None:
+        if self.error is None:
+            self.error = record
+
+
+@dataclass
+class CallContext:
+    """One call's slice of the step: which invokes, which rows (read by the program's view)."""
+
+    tree: ModuleTree
+    services: "Interleaver"
+    step: int
+    invokes: list[InvokeState]
+    req_rows: list[int]  # each invoke's request index in the layout (its logits/samples row)
+    token_ranges: list[tuple[int, int]]  # each invoke's rows in the flat batch
+    positions: list[range]
+    timeout_s: float
+    local_rows: list[slice] = field(default_factory=list)
+
+    def __post_init__(self):
+        offset = 0
+        for a, b in self.token_ranges:
+            self.local_rows.append(slice(offset, offset + b - a))
+            offset += b - a
+        self.num_rows = offset
+
+
+@dataclass
+class Step:
+    """Per-step state, rebuilt every step."""
+
+    layout: BatchLayout
+    calls: list[tuple[ProgramCall, CallContext]]
+    ops: dict[Point, list[OpSite]]  # ops to apply at each point this step
+    in_step: dict[str, int]  # trace -> invokes of it in this step
+    mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+
+class Interleaver:
+    def __init__(self, model: torch.nn.Module, sampler: torch.nn.Module | None, rank_info: dict):
+        self.tree = ModuleTree(model)
+        self.rank = rank_info  # {"tp_rank", "pp_rank", "pp_size"}
+        self.invokes: dict[str, InvokeState] = {}
+        self.step: Step | None = None
+        self.hooks = HookSet(self.tree, sampler, self._on_point)
+        self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.invokes)
+
+    # --- per request --------------------------------------------------------------------------
+
+    def admit(self, req_id: str, prompt_len: int, payload_bytes: bytes) -> None:
+        payload = cloudpickle.loads(payload_bytes)
+        state = InvokeState(
+            req_id=req_id,
+            trace=payload["trace"],
+            invoke=payload["invoke"],
+            prompt_len=prompt_len,
+            program=None,
+            group_key=None,
+            ops=payload.get("ops", []),
+            steps=frozenset(payload["steps"]) if payload.get("steps") is not None else None,
+            sink=payload["sink"],
+            timeout_s=payload["timeout_s"],
+            max_save_bytes=payload["max_save_bytes"],
+        )
+        self.invokes[req_id] = state
+        try:
+            for op in state.ops:
+                op["_point"] = self.tree.point(op["point"])
+            if payload.get("program") is not None:
+                key = payload["program_key"]
+                if key not in self._programs:
+                    self._programs[key] = cloudpickle.loads(payload["program"])
+                state.program = self._programs[key]
+                state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
+        except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
+            state.fail(error_record(exc, where="loading the invoke's program and ops"))
+        for op in state.ops:
+            if "_point" in op:
+                self.hooks.want(op["_point"], owner=req_id)
+
+    def finish(self, req_ids) -> None:
+        for req_id in req_ids:
+            state = self.invokes.pop(req_id, None)
+            if state is None:
+                continue
+            self.hooks.release(owner=req_id)
+            if self.rank["tp_rank"] == 0:  # one report per TP group; every PP stage reports
+                self._report(state)
+        if not self.invokes:
+            self._programs.clear()
+
+    def _report(self, state: InvokeState) -> None:
+        report = {
+            "trace": state.trace,
+            "invoke": state.invoke,
+            "stage": self.rank["pp_rank"],
+            "saves": {name: _combine_steps(values) for name, values in state.saves.items()},
+            "shared": state.shared,
+            "error": state.error,
+        }
+        try:
+            open_sink(state.sink).write(state.trace, state.invoke, self.rank["pp_rank"], report)
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable save: report that instead
+            report.update(saves={}, shared=[], error=error_record(exc, where="reporting results"))
+            open_sink(state.sink).write(state.trace, state.invoke, self.rank["pp_rank"], report)
+
+    # --- per step ------------------------------------------------------------------------------
+
+    def begin_step(self, layout: BatchLayout) -> None:
+        groups: dict[tuple[str, int], list[tuple[int, InvokeState, int, int, int]]] = defaultdict(list)
+        ops: dict[Point, list[OpSite]] = defaultdict(list)
+        in_step: dict[str, int] = defaultdict(int)
+        for i, req_id in enumerate(layout.req_ids):
+            state = self.invokes.get(req_id)
+            if state is None or state.error is not None:
+                continue
+            start, stop = int(layout.row_starts[i]), int(layout.row_starts[i + 1])
+            first = int(layout.first_positions[i])
+            end = first + (stop - start)
+            final_chunk = end >= state.prompt_len
+            prog_step = max(0, end - state.prompt_len)
+            in_step[state.trace] += 1
+            for op in state.ops:
+                if op.get("steps") is not None and prog_step not in op["steps"]:
+                    continue
+                point = op["_point"]
+                if point.kind in ROW_PER_REQUEST_KINDS:
+                    rows = [i] if final_chunk else []
+                else:
+                    rows = select_rows(op, start, stop, first, final_chunk)
+                if rows:
+                    ops[point].append(OpSite(state, op, rows))
+            if state.program is None or (state.steps is not None and prog_step not in state.steps):
+                continue
+            if not final_chunk or (prog_step == 0 and first > 0):
+                state.fail(error_record(RuntimeError(
+                    f"the prompt ({state.prompt_len} tokens) was split across scheduler steps by "
+                    "chunked prefill, so a program cannot see it whole at step 0; start the engine "
+                    "with enable_chunked_prefill=False or a larger max_num_batched_tokens, or use "
+                    "declarative ops, which handle chunks exactly"), where="step 0"))
+                continue
+            groups[(state.group_key, prog_step)].append((i, state, start, stop, first))
+        self.step = Step(layout, [], ops, in_step)
+        for (_, prog_step), members in groups.items():
+            members.sort(key=lambda m: m[1].invoke)
+            ctx = CallContext(
+                tree=self.tree,
+                services=self,
+                step=prog_step,
+                invokes=[m[1] for m in members],
+                req_rows=[m[0] for m in members],
+                token_ranges=[(m[2], m[3]) for m in members],
+                positions=[range(m[4], m[4] + m[3] - m[2]) for m in members],
+                timeout_s=members[0][1].timeout_s,
+            )
+            view = ProgramView(ctx)
+            call = ProgramCall(members[0][1].program, view, budget_s=ctx.timeout_s)
+            object.__setattr__(view, "_call", call)
+            self.step.calls.append((call, ctx))
+        self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
+        for call, ctx in self.step.calls:
+            call.start()
+            self._after_resume(call, ctx)
+
+    def end_step(self) -> None:
+        step, self.step = self.step, None
+        if step is None:
+            return
+        for call, ctx in step.calls:
+            if not call.done:
+                call.cancel(
+                    f"{call.waiting_for} was not reached after {call.view._current or 'the start of the step'}: "
+                    "it comes earlier in the forward pass than the previous access (accesses within "
+                    "a step must follow the forward order), or it does not run on this model/rank"
+                )
+            self._close_call(call, ctx)
+
+    # --- at a hooked module (engine thread) ----------------------------------------------------
+
+    def _on_point(self, module: str, family: str, hooked: Any) -> Any:
+        """Run ops and programs waiting at ``module``; returns the (possibly rewritten) value."""
+        step = self.step
+        if step is None:
+            return hooked
+        try:
+            return self._dispatch(step, module, family, hooked)
+        except Exception as exc:  # noqa: BLE001 - an internal error fails this step's invokes only
+            record = error_record(exc, where=f"interlace internals at {module or family}")
+            for call, ctx in step.calls:
+                call.error = call.error or record
+            for sites in step.ops.values():
+                for site in sites:
+                    site.invoke.fail(record)
+            return hooked
+
+    def _dispatch(self, step: Step, module: str, family: str, hooked: Any) -> Any:
+        kinds = ("input",) if family == "input" else (("output", "resid", "final") if module else (family,))
+        access = _PointAccess(hooked, step.layout)
+        for kind in kinds:
+            point = Point(module, kind)
+            for site_group in _group_sites(step.ops.get(point, ())):
+                self._apply_ops(point, access, site_group)
+        while True:
+            ready = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.module == module
+                     and c.waiting_for.kind in kinds]
+            if not ready:
+                break
+            for call, ctx in ready:
+                if call.waiting_for.module == module and call.waiting_for.kind in kinds and not call.done:
+                    self._deliver(call, ctx, call.waiting_for, access)
+        return access.result()
+
+    def _apply_ops(self, point: Point, access: "_PointAccess", sites: list[OpSite]) -> None:
+        op = sites[0].op
+        rows = Rows(torch.tensor([r for s in sites for r in s.rows], dtype=torch.long, device=access.device))
+        try:
+            value = access.read(point, rows)
+            if op["op"] == "save":
+                offset = 0
+                for site in sites:
+                    self._save_one(site.invoke, op.get("name") or op["point"], value[offset : offset + len(site.rows)])
+                    offset += len(site.rows)
+            else:
+                access.write(point, rows, apply_op(op, value))
+        except Exception as exc:  # noqa: BLE001
+            for site in sites:
+                site.invoke.fail(error_record(exc, where=f"op {op['op']} at {point}"))
+
+    def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: "_PointAccess") -> None:
+        for inv in ctx.invokes:
+            inv.touched.add(point.module)
+        try:
+            rows = self._rows_for(point, ctx, access.device)
+            value = access.read(point, rows)
+        except Exception as exc:  # noqa: BLE001 - e.g. resid on a module that is not a layer
+            call.cancel(f"cannot read {point}: {exc}")
+            return
+        call.resume(value)
+        write = call.view._take_write() if call.view._current == point else None
+        try:
+            if write is not None:
+                access.write(point, rows, write)
+            elif access.is_copy(point, rows):  # the program may have edited its copy in place
+                access.write(point, rows, value)
+        except Exception as exc:  # noqa: BLE001
+            call.error = call.error or error_record(exc, where=f"writing {point}")
+        self._after_resume(call, ctx)
+
+    def _rows_for(self, point: Point, ctx: CallContext, device) -> Rows:
+        if point.kind in ROW_PER_REQUEST_KINDS:
+            return Rows.of([(r, r + 1) for r in ctx.req_rows], device)
+        return Rows.of(ctx.token_ranges, device)
+
+    def _after_resume(self, call: ProgramCall, ctx: CallContext) -> None:
+        if not call.done:
+            self.hooks.want(call.waiting_for, owner=ctx.invokes[0].req_id)
+
+    def _close_call(self, call: ProgramCall, ctx: CallContext) -> None:
+        if call.error is not None:
+            for inv in ctx.invokes:
+                inv.fail(call.error)
+        for inv in ctx.invokes:
+            inv.timeout_s = max(0.0, inv.timeout_s - call.used_s)
+
+    # --- services for programs (called from the program thread while the engine waits) --------
+
+    def save(self, ctx: CallContext, name: str, value: Any) -> None:
+        for inv, part in zip(ctx.invokes, _split(ctx, value, "save")):
+            self._save_one(inv, name, part)
+
+    def _save_one(self, inv: InvokeState, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu", copy=True)
+            inv.save_bytes += value.numel() * value.element_size()
+            if inv.save_bytes > inv.max_save_bytes:
+                raise MemoryError(
+                    f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
+                    f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
+                    "e.g. m.last(x) or a reduction)"
+                )
+        inv.saves.setdefault(name, []).append(value)
+
+    def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
+        for inv, part in zip(ctx.invokes, _split(ctx, value, "share")):
+            if isinstance(part, torch.Tensor):
+                part = part.detach().to("cpu", copy=True)
+            inv.shared.append((name, merge, part))
+
+    def send(self, ctx: CallContext, name: str, value: Any) -> None:
+        trace = ctx.invokes[0].trace
+        self.step.mailbox[(trace, name)] = value
+
+    def recv(self, ctx: CallContext, name: str) -> Any:
+        trace = ctx.invokes[0].trace
+        key = (trace, name)
+        if key not in self.step.mailbox:
+            present = sorted(inv.invoke for inv in self.invokes.values()
+                             if inv.trace == trace and inv.req_id in self.step.layout.req_ids)
+            raise LookupError(
+                f"recv({name!r}) at step {ctx.step}: no invoke of this trace sent {name!r} earlier in "
+                f"this step. Invokes of the trace scheduled in this step: {present}. The sender must "
+                "be scheduled in the same step (same prompt length helps) and reach its send() "
+                "first: at each module, invokes run in invoke order."
+            )
+        return self.step.mailbox[key]
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+class _PointAccess:
+    """Row-wise reads and writes of the value a hook received, for every point kind."""
+
+    def __init__(self, hooked: Any, layout: BatchLayout):
+        self.hooked = hooked
+        self.layout = layout
+        self.device = _first_tensor(hooked).device if _first_tensor(hooked) is not None else "cpu"
+
+    def _base(self, kind: str):
+        h = self.hooked
+        if kind == "input":
+            return h[0]
+        if kind == "resid":
+            if not (isinstance(h, tuple) and len(h) == 2 and all(isinstance(t, torch.Tensor) for t in h)):
+                raise TypeError("resid is defined on decoder layers, whose output is (hidden, residual)")
+            return h
+        if kind == "final":
+            return h[0] if isinstance(h, tuple) else h
+        if kind == "samples":
+            return h.sampled_token_ids[:, 0]
+        return h
+
+    def read(self, point: Point, rows: Rows) -> Any:
+        base = self._base(point.kind)
+        if point.kind == "resid":
+            hidden, residual = base
+            return rows.take(hidden, 0) + rows.take(residual, 0)
+        return _map(base, lambda t, d: rows.take(t, d), self.layout.num_tokens, point.kind)
+
+    def write(self, point: Point, rows: Rows, value: Any) -> None:
+        base = self._base(point.kind)
+        if point.kind == "resid":  # put the whole stream in hidden and zero residual: exact sum
+            hidden, residual = base
+            rows.put(hidden, 0, value)
+            rows.put(residual, 0, torch.zeros_like(value))
+            return
+        if isinstance(base, tuple):
+            for t, v in zip(base, value):
+                d = _dim(t, self.layout.num_tokens, point.kind)
+                if d is not None:
+                    rows.put(t, d, v)
+            return
+        rows.put(base, _dim(base, self.layout.num_tokens, point.kind) or 0, value)
+
+    def is_copy(self, point: Point, rows: Rows) -> bool:
+        """Whether reads hand out copies (gathered rows, or the computed resid sum); writing
+        such a copy back unchanged is exact, so in-place edits by programs are never lost."""
+        return point.kind == "resid" or not isinstance(rows.index, slice)
+
+    def result(self) -> Any:
+        return self.hooked
+
+
+def _dim(t: Any, num_tokens: int, kind: str) -> int | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    if kind in ROW_PER_REQUEST_KINDS:
+        return 0
+    return token_dim(t, num_tokens)
+
+
+def _map(base: Any, fn, num_tokens: int, kind: str) -> Any:
+    if isinstance(base, tuple):
+        return tuple(_map(t, fn, num_tokens, kind) for t in base)
+    d = _dim(base, num_tokens, kind)
+    return base if d is None else fn(base, d)
+
+
+def _first_tensor(x: Any):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for t in x:
+            found = _first_tensor(t)
+            if found is not None:
+                return found
+    sampled = getattr(x, "sampled_token_ids", None)
+    return sampled if isinstance(sampled, torch.Tensor) else None
+
+
+def _group_sites(sites) -> list[list[OpSite]]:
+    """Sites carrying the same op object (a sweep's shared op) form one batched operation."""
+    groups: dict[int, list[OpSite]] = {}
+    for site in sites:
+        groups.setdefault(site.op.get("key", id(site.op)), []).append(site)
+    return list(groups.values())
+
+
+def _split(ctx: CallContext, value: Any, what: str) -> list[Any]:
+    """Split a batched call's value per invoke (by token rows, or one row per invoke)."""
+    n = len(ctx.invokes)
+    if n == 1:
+        return [value]
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        if value.shape[0] == ctx.num_rows:
+            return [value[s] for s in ctx.local_rows]
+        if value.shape[0] == n:
+            return list(value.unbind(0))
+    raise ValueError(
+        f"{what}() in a batched call over {n} invokes needs a tensor whose first dim is the "
+        f"call's {ctx.num_rows} token rows or its {n} invokes (got "
+        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__})"
+    )
+
+
+def _combine_steps(values: list) -> Any:
+    """One save name saved at several steps: tensors concatenate along dim 0, else a list."""
+    if len(values) == 1:
+        return values[0]
+    if all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[1:] == values[0].shape[1:] for v in values):
+        return torch.cat(values, dim=0)
+    return values

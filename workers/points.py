@@ -1,0 +1,141 @@
+"""Points: the places in a forward pass a program can read or write.
+
+A point is a module of vLLM's tree plus what to take from it. Module paths are written as users
+think of them (``layers.3.mlp.down_proj``); they resolve under the causal-LM wrapper first and then
+under its inner ``model``, so ``layers.3`` and ``model.layers.3`` name the same module.
+
+Kinds:
+    output   the module's output (a tuple stays a tuple)
+    input    the module's first positional input
+    resid    the residual stream after a decoder layer: vLLM's layers return ``(hidden, residual)``
+             and the stream is their sum; reading ``hidden`` alone is the classic silent error
+    final    the final norm's output (normalised hidden states)
+    logits   pre-sampling logits, one row per request sampled this step
+    samples  sampled token ids, one per request; writing one forces that token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+TOKEN_KINDS = ("output", "input", "resid", "final")
+ROW_PER_REQUEST_KINDS = ("logits", "samples")
+KINDS = TOKEN_KINDS + ROW_PER_REQUEST_KINDS
+
+
+@dataclass(frozen=True)
+class Point:
+    module: str  # qualified name in the vLLM model ("model.layers.3"); "" for logits/samples
+    kind: str
+
+    def __str__(self) -> str:
+        if self.kind in ROW_PER_REQUEST_KINDS:
+            return self.kind
+        return f"{_short(self.module)}.{self.kind}"
+
+
+def _short(module: str) -> str:
+    return module[len("model.") :] if module.startswith("model.") else module
+
+
+class ModuleTree:
+    """Name resolution over a model's module names (the live model in a worker, or the names a
+    driver fetched from the engine to check declarative ops before sending them)."""
+
+    def __init__(self, model: nn.Module | None = None, names: list[str] | None = None):
+        self.modules: dict[str, nn.Module | None] = (
+            dict(model.named_modules()) if model is not None else dict.fromkeys(names or [])
+        )
+        self.final_norm = "model.norm" if "model.norm" in self.modules else None
+        self.embeddings = next(
+            (n for n in ("model.embed_tokens", "model.embed_in", "model.wte") if n in self.modules), None
+        )
+
+    def resolve(self, path: str) -> str:
+        """Qualified module name for a user path; raises with the valid children on a typo."""
+        path = path.strip(".")
+        for candidate in (path, f"model.{path}"):
+            if candidate in self.modules:
+                return candidate
+        parent, _, leaf = path.rpartition(".")
+        for base in (parent, f"model.{parent}" if parent else "model"):
+            if base in self.modules:
+                children = self.children(base)
+                raise AttributeError(
+                    f"no module {leaf!r} under {_short(base) or 'the model'!r} (path {path!r}); "
+                    f"its children are {children}"
+                )
+        raise AttributeError(f"no module {path!r} in the model; top-level modules: {self.top_level()}")
+
+    def top_level(self) -> list[str]:
+        return self.children("model")
+
+    def children(self, qualified: str) -> list[str]:
+        prefix = f"{qualified}." if qualified else ""
+        seen: dict[str, None] = {}
+        for name in self.modules:
+            if name.startswith(prefix) and name != qualified:
+                seen.setdefault(name[len(prefix) :].split(".")[0])
+        return list(seen)
+
+    def point(self, spec: str) -> Point:
+        """Parse ``"layers.3.resid"``, ``"layers.3.mlp.output"``, ``"logits"``, ``"embeddings"``..."""
+        if spec in ROW_PER_REQUEST_KINDS:
+            return Point("", spec)
+        if spec == "embeddings":
+            return Point(self._need(self.embeddings, spec), "output")
+        if spec == "final":
+            return Point(self._need(self.final_norm, spec), "final")
+        path, _, kind = spec.rpartition(".")
+        if kind not in TOKEN_KINDS or not path:
+            raise ValueError(
+                f"point {spec!r} must end in one of {list(TOKEN_KINDS)} (e.g. 'layers.3.resid', "
+                f"'layers.3.mlp.down_proj.output') or be one of {['embeddings', 'final', *ROW_PER_REQUEST_KINDS]}"
+            )
+        return Point(self.resolve(path), kind)
+
+    def _need(self, name: str | None, spec: str) -> str:
+        if name is None:
+            raise AttributeError(f"this model has no {spec!r} module")
+        return name
+
+
+# --- reading and writing rows of a module's output -------------------------------------------
+
+
+def token_dim(t: torch.Tensor, num_tokens: int) -> int | None:
+    """Which dim of ``t`` runs over the flat token batch: 0 for vLLM's ``[tokens, ...]`` layout,
+    1 for Transformers-backend models' ``[1, tokens, ...]``, None when ``t`` is not per-token."""
+    if t.dim() >= 1 and t.shape[0] >= num_tokens > 0:
+        return 0
+    if t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] >= num_tokens > 0:
+        return 1
+    return None
+
+
+class Rows:
+    """A selection of rows (contiguous when possible, so reads are views and cost nothing)."""
+
+    def __init__(self, index: torch.Tensor | slice):
+        self.index = index
+
+    @classmethod
+    def of(cls, ranges: list[tuple[int, int]], device) -> "Rows":
+        if len(ranges) == 1 or all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
+            return cls(slice(ranges[0][0], ranges[-1][1]))
+        idx = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
+        return cls(idx)
+
+    def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if isinstance(self.index, slice):
+            return t[self.index] if dim == 0 else t[:, self.index]
+        return t.index_select(dim, self.index)
+
+    def put(self, t: torch.Tensor, dim: int, value: torch.Tensor) -> None:
+        if dim == 0:
+            t[self.index] = value
+        else:
+            t[:, self.index] = value

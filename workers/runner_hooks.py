@@ -1,0 +1,103 @@
+"""Wiring the interleaver into vLLM's model runner, V1 (CPU builds) and V2 (GPU builds).
+
+This is the only file that knows runner internals, and it stays thin: it wraps three runner entry
+points and builds a :class:`BatchLayout` per step.
+
+    execute_model(scheduler_output)  finish requests vLLM has dropped, admit new ones
+      model forward pre-hook         begin_step(layout): rows are final once the forward starts
+      ... module hooks ...
+    sample_tokens(...)               end_step() once sampling is done (the last PP stage), or
+    execute_model returning a value  end_step() on stages that send activations onward
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from interlace.workers.interleaver import PAYLOAD_KEY, Interleaver
+from interlace.workers.layout import layout_from_v1_runner, layout_from_v2_input_batch
+
+logger = logging.getLogger("interlace")
+
+
+def install(runner) -> Interleaver:
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    rank = {
+        "tp_rank": get_tp_group().rank_in_group,
+        "pp_rank": get_pp_group().rank_in_group,
+        "pp_size": get_pp_group().world_size,
+    }
+    inter = Interleaver(runner.model, getattr(runner, "sampler", None), rank)
+    is_v2 = not hasattr(runner, "input_batch")
+    captured = {}
+
+    if is_v2:  # V2 builds a fresh InputBatch each step: keep the one the forward will use
+        original_prepare = runner.prepare_inputs
+
+        @functools.wraps(original_prepare)
+        def prepare_inputs(*args, **kwargs):
+            batch = original_prepare(*args, **kwargs)
+            captured["batch"] = batch
+            return batch
+
+        runner.prepare_inputs = prepare_inputs
+
+    def current_layout():
+        return layout_from_v2_input_batch(captured["batch"]) if is_v2 else layout_from_v1_runner(runner)
+
+    original_execute = runner.execute_model
+    original_sample = runner.sample_tokens
+    state = {"in_step": False}
+
+    @functools.wraps(original_execute)
+    def execute_model(scheduler_output, *args, **kwargs):
+        _guard(inter, inter.finish, scheduler_output.finished_req_ids)
+        for new in scheduler_output.scheduled_new_reqs:
+            payload = _payload(new)
+            if payload is not None:
+                _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload)
+        state["in_step"] = inter.active
+        output = original_execute(scheduler_output, *args, **kwargs)
+        if output is not None and state["in_step"]:
+            state["in_step"] = False
+            _guard(inter, inter.end_step)
+        return output
+
+    @functools.wraps(original_sample)
+    def sample_tokens(*args, **kwargs):
+        output = original_sample(*args, **kwargs)
+        if state["in_step"]:
+            state["in_step"] = False
+            _guard(inter, inter.end_step)
+        return output
+
+    def begin_step(_module, _args, _kwargs):
+        if state["in_step"] and inter.step is None:
+            _guard(inter, inter.begin_step, current_layout())
+
+    runner.execute_model = execute_model
+    runner.sample_tokens = sample_tokens
+    runner.model.register_forward_pre_hook(begin_step, with_kwargs=True)
+    return inter
+
+
+def _payload(new_request) -> bytes | None:
+    params = new_request.sampling_params
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    return extra.get(PAYLOAD_KEY) if extra else None
+
+
+def _guard(inter: Interleaver, fn, *args):
+    """Run an interleaver phase; an internal failure fails the step's invokes, never the engine."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("interlace: internal error in %s", getattr(fn, "__name__", fn))
+        from interlace.workers.calls import error_record
+
+        record = error_record(exc, where=f"interlace internals ({getattr(fn, '__name__', fn)})")
+        for inv in inter.invokes.values():
+            inv.fail(record)
+        return None

@@ -1,0 +1,213 @@
+"""What an intervention program sees as ``m``.
+
+A program is called once per generation step (``m.step``: 0 is the prompt, then one per generated
+token) for one invoke, or, when it is marked batched, for every invoke of its trace that runs it at
+that step. The model is a tree that mirrors vLLM's module tree::
+
+    def program(m):
+        h = m.layers[3].resid                     # residual stream after layer 3: [rows, hidden]
+        m.layers[3].mlp.down_proj.output *= 0.5   # rewrite a module's output in place
+        m.save("h3", m.last(h))                   # last-token row of each invoke
+        if m.step == 2:
+            m.samples = torch.tensor([42])        # force the token sampled at step 2
+
+Values hold the rows of this call's invokes only, stacked in invoke order (``m.rows[j]`` selects
+invoke j's rows). Module accesses must follow the forward order within a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from interlace.workers.points import Point
+
+
+class Node:
+    """A module of the tree: read or write its ``output``, ``input`` or (for layers) ``resid``."""
+
+    __slots__ = ("_view", "_path")
+
+    def __init__(self, view: "ProgramView", path: str):
+        object.__setattr__(self, "_view", view)
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name: str) -> "Node":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Node(self._view, self._view._resolve(f"{self._path}.{name}"))
+
+    def __getitem__(self, index: int) -> "Node":
+        if not isinstance(index, int):
+            raise TypeError(f"module lists are indexed by int, not {type(index).__name__}")
+        if index < 0:
+            index += len(self._view._tree.children(self._path))
+        return Node(self._view, self._view._resolve(f"{self._path}.{index}"))
+
+    def __len__(self) -> int:
+        return len(self._view._tree.children(self._path))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in ("output", "input", "resid"):
+            raise AttributeError(f"cannot set {name!r} on module {self._path!r}; set output, input or resid")
+        self._view._write(Point(self._path, name), value)
+
+    @property
+    def output(self) -> Any:
+        return self._view._read(Point(self._path, "output"))
+
+    @property
+    def input(self) -> Any:
+        return self._view._read(Point(self._path, "input"))
+
+    @property
+    def resid(self) -> torch.Tensor:
+        """The residual stream after this decoder layer (vLLM's ``hidden + residual``)."""
+        return self._view._read(Point(self._path, "resid"))
+
+    def __repr__(self) -> str:
+        return f"<module {self._path}>"
+
+
+class ProgramView:
+    """The ``m`` a program receives; built by the interleaver for each call."""
+
+    _NAMED = ("embeddings", "final", "logits", "samples")
+
+    def __init__(self, call_ctx):
+        # call_ctx: the interleaver's record of this call (invokes, rows, step, services)
+        object.__setattr__(self, "_ctx", call_ctx)
+        object.__setattr__(self, "_tree", call_ctx.tree)
+        object.__setattr__(self, "_current", None)  # the point the program holds right now
+        object.__setattr__(self, "_current_value", None)
+        object.__setattr__(self, "_pending_write", None)
+        object.__setattr__(self, "_call", None)
+
+    # --- step and batch facts -------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Generation step: 0 is the prompt (all of it), k >= 1 the k-th generated token's step."""
+        return self._ctx.step
+
+    @property
+    def n(self) -> int:
+        """Invokes in this call (1 unless the program is batched)."""
+        return len(self._ctx.invokes)
+
+    @property
+    def invokes(self) -> list[int]:
+        """Index of each invoke of this call within its trace."""
+        return [inv.invoke for inv in self._ctx.invokes]
+
+    @property
+    def rows(self) -> list[slice]:
+        """``rows[j]``: invoke j's token rows within values read in this call."""
+        return self._ctx.local_rows
+
+    @property
+    def positions(self) -> list[range]:
+        """Sequence positions of each invoke's rows (prompt positions at step 0)."""
+        return self._ctx.positions
+
+    @property
+    def timeout_s(self) -> float:
+        return self._ctx.timeout_s
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """Each invoke's last token row of ``x``: ``[n, ...]``."""
+        if x.shape[0] == self._ctx.num_rows:
+            return x[[r.stop - 1 for r in self.rows]]
+        if x.shape[0] == self.n:
+            return x
+        raise ValueError(f"last(): expected {self._ctx.num_rows} token rows or {self.n} invoke rows, got shape {tuple(x.shape)}")
+
+    # --- results ---------------------------------------------------------------------------------
+
+    def save(self, name: str, value: Any) -> None:
+        """Keep ``value`` in each invoke's result under ``name`` (a detached copy, moved to CPU).
+
+        In a batched call a tensor is split per invoke by its first dim (token rows or one row
+        per invoke). Saving one name at several steps concatenates tensors along dim 0, so a
+        residual saved at every step is the whole sequence's residual; other values become a list.
+        """
+        self._ctx.services.save(self._ctx, name, value)
+
+    def share(self, name: str, value: Any, merge: str = "append") -> None:
+        """Contribute to the trace-shared value ``name``; merged across invokes once all reported.
+
+        ``merge``: "append" (a list in invoke order), "sum", "mean", "max", or "concat" / "concat:D".
+        """
+        self._ctx.services.share(self._ctx, name, value, merge)
+
+    def send(self, name: str, value: Any) -> None:
+        """Publish a value to the other invokes of this trace in this same step (see :meth:`recv`)."""
+        self._ctx.services.send(self._ctx, name, value)
+
+    def recv(self, name: str) -> Any:
+        """A value another invoke of this trace sent earlier in this step (activation patching)."""
+        return self._ctx.services.recv(self._ctx, name)
+
+    # --- the tree --------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in self._NAMED:
+            return self._read(self._tree.point(name))
+        return Node(self, self._resolve(name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._NAMED:
+            raise AttributeError(f"cannot set {name!r}; settable here: {list(self._NAMED)}")
+        self._write(self._tree.point(name), value)
+
+    def where(self) -> str:
+        return f"step {self.step}" + (f", at {self._current}" if self._current else "")
+
+    # --- interleaving (called from the program thread) -------------------------------------------
+
+    def _resolve(self, path: str) -> str:
+        return self._tree.resolve(path)
+
+    def _read(self, point: Point) -> Any:
+        if point == self._current:
+            return self._current_value
+        value = self._call.wait_at(point)
+        object.__setattr__(self, "_current", point)
+        object.__setattr__(self, "_current_value", value)
+        object.__setattr__(self, "_pending_write", None)
+        return value
+
+    def _write(self, point: Point, value: Any) -> None:
+        current = self._read(point)
+        object.__setattr__(self, "_pending_write", check_write(point, current, value))
+
+    def _take_write(self) -> Any:
+        write = self._pending_write
+        object.__setattr__(self, "_pending_write", None)
+        return write
+
+
+def check_write(point: Point, current: Any, value: Any) -> Any:
+    """Refuse a write whose structure, shape or dtype kind cannot replace ``current``."""
+    if isinstance(current, tuple):
+        if not isinstance(value, tuple) or len(value) != len(current):
+            raise TypeError(f"write to {point}: expected a tuple of {len(current)} like the module's output, got {type(value).__name__}")
+        return tuple(check_write(point, c, v) for c, v in zip(current, value))
+    if not isinstance(current, torch.Tensor):
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"write to {point}: expected a tensor of shape {tuple(current.shape)}, got {type(value).__name__}")
+    if value.shape != current.shape:
+        raise ValueError(
+            f"write to {point}: shape {tuple(value.shape)} does not match the point's shape "
+            f"{tuple(current.shape)}; write a tensor of exactly that shape (index rows with m.rows)"
+        )
+    if value.dtype.is_floating_point != current.dtype.is_floating_point or value.is_complex():
+        raise TypeError(
+            f"write to {point}: dtype {value.dtype} cannot replace {current.dtype}; "
+            f"convert with .to({current.dtype})"
+        )
+    return value.to(device=current.device, dtype=current.dtype)
