@@ -3,8 +3,8 @@
 Every engine interlace starts goes through :func:`engine_args`, so the settings each platform needs
 live in one place:
 
-- both: eager mode (forward hooks fire only in eager mode) and interlace's worker extension, which
-  :func:`install_interlace` activates once the engine is up;
+- both: eager mode (forward hooks fire only in eager mode), interlace's worker extension (activated
+  through ``collective_rpc`` once the engine is up) and its gang-admitting scheduler;
 - CPU: an explicit KV cache size (vLLM otherwise sizes it from host memory and fails on a small
   machine) and one OpenMP core binding per rank (the default binding refuses TP/PP);
 - GPU: vLLM's custom all-reduce and NVLink multicast off (TP=2 otherwise crashed on shared hosts).
@@ -24,6 +24,7 @@ from interlace import settings
 from interlace.cluster.config import ModelConfig
 
 WORKER_EXTENSION = "interlace.workers.extension.InterlaceWorkerExtension"
+SCHEDULER = "interlace.workers.scheduler.make_scheduler"  # a trace's invokes share a step
 _CPU_KV_CACHE_BYTES = 256 * 1024**2
 _GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -39,6 +40,7 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
         seed=cfg.seed,
         enforce_eager=True,
         worker_extension_cls=WORKER_EXTENSION,
+        scheduler_cls=SCHEDULER,
     )
     world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     if world_size > 1:

@@ -42,6 +42,7 @@ from interlace.trace import (
     new_trace_id,
 )
 from interlace.workers.points import ModuleTree
+from interlace.workers.scheduler import GANG_KEY
 from interlace.workers.sink import report_name
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
@@ -128,6 +129,7 @@ class Model:
         sink = f"dir:{self._sink_root}"
         payloads = encode_payloads(trace.invokes, trace_id, sink, trace.timeout_s, trace.max_save_bytes)
         prompts, params = [], []
+        gang_size = sum(p is not None for p in payloads)
         for index, (inv, payload) in enumerate(zip(trace.invokes, payloads)):
             prompt: dict = {"prompt": inv.prompt} if isinstance(inv.prompt, str) else {"prompt_token_ids": list(inv.prompt)}
             extra = None
@@ -135,7 +137,7 @@ class Model:
                 # A unique salt keeps prefix caching from skipping this request's prompt tokens,
                 # which its hooks must see; plain requests keep the cache.
                 prompt["cache_salt"] = f"interlace-{trace_id}-{index}"
-                extra = {"interlace": payload}
+                extra = {"interlace": payload, GANG_KEY: [trace_id, index, gang_size]}
             prompts.append(prompt)
             params.append(SamplingParams(**trace.settings, extra_args=extra))
         with self._lock:

@@ -19,6 +19,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+
 from interlace.workers.points import Point
 
 
@@ -149,7 +151,8 @@ class ProgramCall:
     def _run(self) -> None:
         self._thread_id = threading.get_ident()
         try:
-            self.program(self.view)
+            with torch.inference_mode():  # grad mode is per thread; match the engine's
+                self.program(self.view)
         except BaseException as exc:  # noqa: BLE001 - every user failure becomes a record
             if self.waiting_for is not FINISHED:
                 self.error = error_record(exc, where=self.view.where())

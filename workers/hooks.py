@@ -24,10 +24,14 @@ class HookSet:
         self._owners: dict[tuple[str, str], set[str]] = {}
 
     def want(self, point: Point, owner: str) -> None:
+        # Enclosing modules are hooked too: PyTorch decides whether a module has hooks when the
+        # module is called, so a program that asks for mlp.output from inside mlp (after reading
+        # mlp.down_proj) is only served if mlp was hooked before it started.
         key = _family(point)
-        if key not in self._handles:
-            self._handles[key] = self._install(*key)
-        self._owners.setdefault(key, set()).add(owner)
+        for k in [key, *((a, "output") for a in _ancestors(point.module))]:
+            if k not in self._handles:
+                self._handles[k] = self._install(*k)
+            self._owners.setdefault(k, set()).add(owner)
 
     def release(self, owner: str) -> None:
         for key in [k for k, owners in self._owners.items() if owner in owners]:
@@ -56,6 +60,11 @@ class HookSet:
         if target is None:
             raise AttributeError(f"this model has no {family!r} module to hook")
         return target.register_forward_hook(lambda _m, _args, out: on_point(module, family, out))
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".") if module else []
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _family(point: Point) -> tuple[str, str]:

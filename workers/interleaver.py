@@ -463,8 +463,8 @@ def _split(ctx: CallContext, value: Any, what: str) -> list[Any]:
     if isinstance(value, torch.Tensor) and value.dim() >= 1:
         if value.shape[0] == ctx.num_rows:
             return [value[s] for s in ctx.local_rows]
-        if value.shape[0] == n:
-            return list(value.unbind(0))
+        if value.shape[0] == n:  # one row per invoke, kept 2-D as a single invoke's call would
+            return [value[j : j + 1] for j in range(n)]
     raise ValueError(
         f"{what}() in a batched call over {n} invokes needs a tensor whose first dim is the "
         f"call's {ctx.num_rows} token rows or its {n} invokes (got "

@@ -1,0 +1,98 @@
+"""Shared fixtures: real vLLM engines (started once per session) and the transformers oracle.
+
+Engines take 20-70 s to start on CPU, so every test shares the few engines below; the oracle is
+``transformers`` running the very same weights in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import interlace
+from interlace.cluster.config import ModelConfig
+
+# Reproducible CPU numerics, and quiet logs.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+torch.manual_seed(0)
+
+
+def _model(name: str, **overrides) -> interlace.Model:
+    model = interlace.Model(name, **overrides)
+    model.engine  # start now, so a start-up failure shows in the fixture, not in a test
+    return model
+
+
+@pytest.fixture(scope="session")
+def llama():
+    model = _model("tiny-llama")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def qwen():
+    model = _model("tiny-qwen2")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session", params=["tiny-llama", "tiny-qwen2"])
+def any_model(request, llama, qwen):
+    return {"tiny-llama": llama, "tiny-qwen2": qwen}[request.param]
+
+
+class Oracle:
+    """transformers, float32, same checkpoint: the reference for every activation test."""
+
+    def __init__(self, name: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = ModelConfig.load(name).checkpoint_path()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.layers = self.model.model.layers
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    @torch.no_grad()
+    def run(self, ids: list[int], hooks: dict | None = None) -> dict:
+        """Forward ``ids``; returns logits and the residual stream after every layer.
+
+        ``hooks``: {module: fn(output) -> output} applied during the forward.
+        """
+        captured, handles = {}, []
+        for i, layer in enumerate(self.layers):
+            handles.append(layer.register_forward_hook(
+                lambda _m, _a, out, i=i: captured.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].clone())))
+        for module, fn in (hooks or {}).items():
+            handles.append(module.register_forward_hook(lambda _m, _a, out, fn=fn: fn(out)))
+        try:
+            logits = self.model(torch.tensor([ids])).logits[0]
+        finally:
+            for h in handles:
+                h.remove()
+        return {"logits": logits, "resid": [captured[i] for i in range(len(self.layers))]}
+
+    @torch.no_grad()
+    def greedy(self, ids: list[int], n: int, hooks: dict | None = None) -> list[int]:
+        """Greedy continuation, re-running the whole sequence each step (hooks see every token)."""
+        seq = list(ids)
+        for _ in range(n):
+            seq.append(int(self.run(seq, hooks)["logits"][-1].argmax()))
+        return seq[len(ids):]
+
+
+@pytest.fixture(scope="session")
+def oracles():
+    return {name: Oracle(name) for name in ("tiny-llama", "tiny-qwen2")}
+
+
+@pytest.fixture
+def oracle(any_model, oracles):
+    return oracles[any_model.config.name]

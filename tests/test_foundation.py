@@ -1,0 +1,94 @@
+"""Foundation: the embedded models, the config schema and the engine match transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from interlace.cluster.config import ModelConfig
+from interlace.tiny_models import TINY_MODELS, ensure_tiny_model
+
+PROMPTS = ["The capital of France is", "Steering vectors add a direction", "One two three four"]
+
+
+def test_tiny_models_are_deterministic(tmp_path, monkeypatch):
+    first = load_file(ensure_tiny_model("tiny-qwen2") / "model.safetensors")
+    monkeypatch.setenv("INTERLACE_CACHE", str(tmp_path))
+    rebuilt_path = ensure_tiny_model("tiny-qwen2")
+    assert str(rebuilt_path).startswith(str(tmp_path))
+    rebuilt = load_file(rebuilt_path / "model.safetensors")
+    assert first.keys() == rebuilt.keys()
+    for name in first:
+        assert torch.equal(first[name], rebuilt[name]), name
+
+
+def test_embedded_models_have_the_documented_shape():
+    for name, spec in TINY_MODELS.items():
+        config = ModelConfig.load(name)
+        import json
+
+        hf = json.loads((ensure_tiny_model(name) / "config.json").read_text())
+        assert hf["hidden_size"] // hf["num_attention_heads"] == 64  # the CPU backend refuses 16
+        assert hf["num_hidden_layers"] == spec.num_layers
+        assert config.source == f"embedded:{name}"
+
+
+def test_config_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="choose one of"):
+        ModelConfig.load("no-such-model")
+    with pytest.raises(ValueError, match="embedded:tiny-llama"):
+        ModelConfig(name="x", source="embedded:nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nsource: embedded:tiny-llama\nmax_tokens: 3\n")
+    with pytest.raises(ValueError, match="max_tokens"):  # extra fields are refused, not ignored
+        ModelConfig.load(bad)
+
+
+def test_next_token_logprobs_match_transformers(any_model, oracle):
+    from vllm import SamplingParams
+
+    for prompt in PROMPTS:
+        ids = oracle.ids(prompt)
+        out = any_model.engine.generate(
+            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0, logprobs=20),
+            use_tqdm=False)[0]
+        expected = torch.log_softmax(oracle.run(ids)["logits"][-1], dim=-1)
+        got = out.outputs[0].logprobs[0]
+        assert len(got) >= 20
+        for token_id, lp in got.items():
+            # float32 on both sides; differences come from kernel summation order only
+            assert abs(lp.logprob - expected[token_id].item()) < 1e-4, (prompt, token_id)
+
+
+def test_greedy_continuations_match_transformers(any_model, oracle):
+    from vllm import SamplingParams
+
+    for prompt in PROMPTS:
+        ids = oracle.ids(prompt)
+        out = any_model.engine.generate(
+            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == oracle.greedy(ids, 8)
+
+
+def test_async_engine_generates():
+    import asyncio
+
+    from vllm import SamplingParams
+
+    from interlace.cluster.engine import shutdown_engine, start_async_engine
+
+    async def main():
+        engine = await start_async_engine(ModelConfig.load("tiny-llama"))
+        try:
+            final = None
+            async for out in engine.generate("The capital of France is",
+                                             SamplingParams(max_tokens=4, temperature=0), request_id="a0"):
+                final = out
+            return list(final.outputs[0].token_ids)
+        finally:
+            shutdown_engine(engine)
+
+    tokens = asyncio.run(main())
+    assert len(tokens) == 4

@@ -1,0 +1,291 @@
+"""Interventions on one engine, checked against transformers (float32, same weights)."""
+
+from __future__ import annotations
+
+import torch
+
+import interlace
+from interlace import ops
+
+ATOL = 1e-4  # float32 on both sides; kernels differ only in summation order
+PROMPT = "The capital of France is"
+
+
+def test_residual_stream_every_layer_prefill_and_decode(any_model, oracle):
+    ids = oracle.ids(PROMPT)
+    n_layers = len(oracle.layers)
+
+    def save_all(m):
+        for i in range(n_layers):
+            m.save(f"resid{i}", m.layers[i].resid)
+
+    out = any_model.generate(ids, program=save_all, max_tokens=4, ignore_eos=True)
+    seq = ids + out.token_ids[:-1]  # the last token is sampled but never run through the model
+    expected = oracle.run(seq)["resid"]
+    for i in range(n_layers):
+        got = out.saves[f"resid{i}"]
+        assert got.shape == (len(seq), oracle.model.config.hidden_size)
+        torch.testing.assert_close(got, expected[i], atol=ATOL, rtol=ATOL)
+
+
+def test_hidden_alone_is_not_the_residual_stream(llama, oracles):
+    """The classic silent error: a decoder layer's first output is not the residual stream."""
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def both(m):
+        m.save("hidden", m.layers[1].output[0])
+        m.save("resid", m.layers[1].resid)
+
+    out = llama.generate(ids, program=both)
+    expected = oracle.run(ids)["resid"][1]
+    torch.testing.assert_close(out.saves["resid"], expected, atol=ATOL, rtol=ATOL)
+    assert (out.saves["hidden"] - expected).abs().max() > 0.1
+
+
+def test_module_output_and_logits_match(any_model, oracle):
+    ids = oracle.ids(PROMPT)
+
+    def program(m):
+        m.save("down", m.layers[1].mlp.down_proj.output[0])  # vLLM linears return (out, bias)
+        m.save("mlp", m.layers[1].mlp.output)  # runs after down_proj: accesses follow the forward
+        m.save("logits", m.logits)
+
+    captured = {}
+    hook = {oracle.layers[1].mlp: lambda out: captured.setdefault("mlp", []).append(out[0].clone())}
+    out = any_model.generate(ids, program=program, max_tokens=3, ignore_eos=True)
+    seq = ids + out.token_ids[:-1]
+    ref = oracle.run(seq, hooks=hook)
+    torch.testing.assert_close(out.saves["mlp"], captured["mlp"][0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(out.saves["down"], out.saves["mlp"])
+    # logits: one row per step, for the last prompt token and then each new token
+    rows = [len(ids) - 1 + k for k in range(3)]
+    torch.testing.assert_close(out.saves["logits"], ref["logits"][rows], atol=ATOL, rtol=ATOL)
+
+
+def test_steering_program_and_op_match_transformers(any_model, oracle):
+    ids = oracle.ids(PROMPT)
+    vector = torch.randn(oracle.model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
+
+    def steer(m):
+        m.layers[1].resid += vector
+
+    expected = oracle.greedy(ids, 6, hooks={oracle.layers[1]: lambda out: out + vector})
+    plain = any_model.generate(ids, max_tokens=6, ignore_eos=True).token_ids
+    by_program = any_model.generate(ids, program=steer, max_tokens=6, ignore_eos=True).token_ids
+    by_op = any_model.generate(ids, ops=[ops.add("layers.1.resid", vector)], max_tokens=6, ignore_eos=True).token_ids
+    assert expected != plain  # the vector is strong enough to matter
+    assert by_program == expected
+    assert by_op == expected
+
+
+def test_ablation_program_and_op_match_transformers(any_model, oracle):
+    ids = oracle.ids("One two three four")
+
+    def ablate(m):
+        m.layers[2].mlp.output = torch.zeros_like(m.layers[2].mlp.output)
+
+    expected = oracle.greedy(ids, 6, hooks={oracle.layers[2].mlp: lambda out: torch.zeros_like(out)})
+    by_program = any_model.generate(ids, program=ablate, max_tokens=6, ignore_eos=True).token_ids
+    by_op = any_model.generate(ids, ops=[ops.zero("layers.2.mlp.output")], max_tokens=6, ignore_eos=True).token_ids
+    assert by_program == expected
+    assert by_op == expected
+
+
+def test_activation_patching_across_invokes(any_model, oracle):
+    clean = oracle.ids("The capital of France is")
+    pos = len(clean) - 2
+    corrupt = clean[:pos] + [(clean[pos] + 7) % 500] + clean[pos + 1 :]  # one token swapped
+
+    def send_clean(m):
+        m.send("clean", m.layers[1].resid.clone())
+
+    def patch(m):
+        r = m.layers[1].resid
+        r[pos] = m.recv("clean")[pos]
+        m.save("logits", m.logits)
+
+    with any_model.trace(max_tokens=1) as tr:
+        tr.invoke(clean, program=send_clean)
+        tr.invoke(corrupt, program=patch)
+
+    clean_resid = oracle.run(clean)["resid"][1]
+
+    def hf_patch(out):
+        out = out.clone()
+        out[0, pos] = clean_resid[pos]
+        return out
+
+    expected = oracle.run(corrupt, hooks={oracle.layers[1]: hf_patch})["logits"][-1]
+    torch.testing.assert_close(tr.result[1].saves["logits"][0], expected, atol=ATOL, rtol=ATOL)
+    unpatched = oracle.run(corrupt)["logits"][-1]
+    assert (unpatched - expected).abs().max() > 1e-2  # patching changed something
+
+
+def test_patching_with_a_batched_program(any_model, oracle):
+    clean = oracle.ids("The capital of France is")
+    corrupt = clean[:-2] + [(clean[-2] + 7) % 500, clean[-1]]
+
+    @interlace.batched
+    def patch(m):
+        r = m.layers[1].resid
+        r[m.rows[1]] = r[m.rows[0]]  # invoke 1's rows take invoke 0's
+        m.save("logits", m.logits)
+
+    with any_model.trace(max_tokens=1) as tr:
+        tr.invoke(clean, program=patch)
+        tr.invoke(corrupt, program=patch)
+    torch.testing.assert_close(tr.result[1].saves["logits"], tr.result[0].saves["logits"], atol=ATOL, rtol=ATOL)
+
+
+def test_recv_without_sender_fails_clearly(llama, oracles):
+    ids = oracles["tiny-llama"].ids(PROMPT)
+
+    def lonely(m):
+        m.recv("clean")
+
+    try:
+        llama.generate(ids, program=lonely)
+    except interlace.InterventionError as err:
+        assert "no invoke of this trace sent 'clean'" in str(err)
+    else:
+        raise AssertionError("recv without a sender must fail")
+
+
+def test_sixteen_invokes_each_see_only_their_rows(llama, oracles):
+    oracle = oracles["tiny-llama"]
+    prompts = [oracle.ids(f"{word} is a day of the week number {i}") for i, word in
+               enumerate(["Monday", "Tuesday", "Friday", "Sunday"] * 4)]
+    plain_prompts = [oracle.ids("Once upon a time"), oracle.ids("def add(a, b):")]
+
+    def make(layer: int, scale: float):
+        def program(m):
+            m.save("resid", m.layers[layer].resid)
+            m.layers[layer].resid *= scale
+        return program
+
+    programs = [make(i % 4, 1.0 + 0.1 * i) for i in range(16)]
+
+    def run(intervened: bool):
+        with llama.trace(max_tokens=4, ignore_eos=True, logprobs=True) as tr:
+            for i, ids in enumerate(prompts):
+                tr.invoke(ids, program=programs[i] if intervened else None)
+            for ids in plain_prompts:
+                tr.invoke(ids)
+        return tr.result
+
+    mixed = run(True)
+    alone = [llama.generate(ids, program=programs[i], max_tokens=4, ignore_eos=True) for i, ids in enumerate(prompts)]
+    for i in range(16):
+        assert mixed[i].token_ids == alone[i].token_ids
+        torch.testing.assert_close(mixed[i].saves["resid"], alone[i].saves["resid"], atol=ATOL, rtol=ATOL)
+    baseline = run(False)
+    for j in range(16, 18):  # plain requests: bit for bit what they are without interventions
+        assert mixed[j].token_ids == baseline[j].token_ids
+        assert mixed[j].logprobs == baseline[j].logprobs
+
+
+def test_batched_program_runs_once_per_step_for_the_group(llama, oracles):
+    oracle = oracles["tiny-llama"]
+    prompts = [oracle.ids(p) for p in ["The capital of France is", "One two three", "Hello there", "Monday Tuesday"]]
+
+    @interlace.batched
+    def batched(m):
+        m.save("group", torch.full((m.n,), m.n))
+        m.save("last", m.last(m.layers[2].resid))
+
+    def single(m):
+        m.save("last", m.last(m.layers[2].resid))
+
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+        for ids in prompts:
+            tr.invoke(ids, program=batched)
+    for i, ids in enumerate(prompts):
+        ref = llama.generate(ids, program=single, max_tokens=3, ignore_eos=True)
+        assert tr.result[i].token_ids == ref.token_ids
+        torch.testing.assert_close(tr.result[i].saves["last"], ref.saves["last"], atol=ATOL, rtol=ATOL)
+        assert tr.result[i].saves["group"].tolist() == [4, 4, 4]  # one call per step for all four
+
+
+def test_declarative_ops_equal_programs(llama, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("Steering vectors add a direction")
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(5))
+
+    def program(m):
+        m.layers[1].resid += vector
+        m.save("last", m.last(m.layers[2].resid))
+        if m.step == 0:
+            m.save("first", m.layers[3].resid)
+
+    op_list = [ops.save("layers.3.resid", name="first", steps=[0]),
+               ops.add("layers.1.resid", vector),
+               ops.save("layers.2.resid", name="last", tokens="last")]
+    a = llama.generate(ids, program=program, max_tokens=4, ignore_eos=True)
+    b = llama.generate(ids, ops=op_list, max_tokens=4, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    for name in ("first", "last"):
+        torch.testing.assert_close(a.saves[name], b.saves[name], atol=ATOL, rtol=ATOL)
+    assert b.saves["last"].shape == (4, 128)
+
+
+def test_ops_on_given_positions_and_steps(llama, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("One two three four five")
+    expected = oracle.run(ids)["resid"][0][[1, 3]]
+    out = llama.generate(ids, ops=[ops.save("layers.0.resid", tokens=[1, 3], steps=[0])], max_tokens=3)
+    torch.testing.assert_close(out.saves["layers.0.resid"], expected, atol=ATOL, rtol=ATOL)
+
+
+def test_forcing_samples(llama, oracles):
+    ids = oracles["tiny-llama"].ids(PROMPT)
+
+    def force(m):
+        if m.step == 1:
+            m.samples = torch.tensor([42])
+
+    out = llama.generate(ids, program=force, max_tokens=4, ignore_eos=True)
+    assert out.token_ids[1] == 42
+
+
+def test_shared_values_merge_across_invokes(llama, oracles):
+    oracle = oracles["tiny-llama"]
+
+    def contribute(m):
+        last = m.last(m.layers[0].resid)[0]
+        m.share("count", 1, merge="sum")
+        m.share("norms", last.norm().reshape(1), merge="concat")
+        m.share("ids", m.invokes[0], merge="append")
+        m.share("mean", last, merge="mean")
+
+    prompts = [oracle.ids(p) for p in ["Hello", "The capital of Italy is", "One two"]]
+    with llama.trace() as tr:
+        for ids in prompts:
+            tr.invoke(ids, program=contribute)
+    shared = tr.result.shared
+    assert shared["count"] == 3
+    assert shared["ids"] == [0, 1, 2]
+    lasts = torch.stack([oracle.run(ids)["resid"][0][-1] for ids in prompts])
+    torch.testing.assert_close(shared["norms"], lasts.norm(dim=-1), atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(shared["mean"], lasts.mean(0), atol=ATOL, rtol=ATOL)
+
+
+def test_prefix_caching_never_skips_intervened_tokens(llama, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("Interpretability researchers read and rewrite hidden activations. " * 25)[:300]
+    block = llama.engine.llm_engine.vllm_config.cache_config.block_size  # 128 on CPU
+    assert len(ids) > 2 * block  # full KV blocks, so there is something to cache
+    from vllm import SamplingParams
+
+    for _ in range(2):  # the second plain run is served from the prefix cache
+        plain = llama.engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert plain.num_cached_tokens > 0
+    for _ in range(2):
+        out = llama.generate(ids, ops=[ops.save("layers.1.resid")])
+        assert out.saves["layers.1.resid"].shape[0] == len(ids)  # every prompt token seen
+
+
+def test_hooks_are_removed_after_traces(llama, oracles):
+    ids = oracles["tiny-llama"].ids(PROMPT)
+    llama.generate(ids, program=lambda m: m.save("x", m.layers[1].mlp.output), ops=[ops.zero("layers.2.resid")])
+    assert llama.engine.collective_rpc("interlace_installed_hooks") == [[]]

@@ -1,0 +1,65 @@
+"""Gang admission: a trace's intervened invokes enter vLLM's scheduler together.
+
+vLLM's engine core starts a step as soon as the first request arrives, so the invokes of one trace
+could otherwise land in different steps, and a program that patches invoke 0's activations into
+invoke 1 "in the same forward pass" would find nothing to patch. This scheduler (runs in the engine
+core process) holds each intervened request until every intervened invoke of its trace has arrived,
+then queues them together in invoke order: they share a step whenever the token budget allows
+(``max_num_batched_tokens``, ``max_num_seqs``). Plain requests pass straight through.
+
+Selected with ``scheduler_cls="interlace.workers.scheduler.make_scheduler"``; it subclasses
+whichever scheduler vLLM would have used (async scheduling keeps working).
+"""
+
+from __future__ import annotations
+
+GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, intervened invokes]
+
+
+class GangAdmission:
+    """Mixed into vLLM's Scheduler: holds requests until their trace's gang is complete."""
+
+    def add_request(self, request) -> None:
+        gang = _gang(request)
+        if gang is None or request.request_id in self.requests:
+            return super().add_request(request)
+        trace, _index, size = gang
+        held = self._interlace_held.setdefault(trace, [])
+        held.append(request)
+        if len(held) == size:
+            self._interlace_release(trace)
+
+    def finish_requests(self, request_ids, finished_status):
+        # An aborted request of an incomplete gang would hold the others forever: release them
+        # (they run without their partner) and drop the aborted one.
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids or ())
+        for trace, held in list(self._interlace_held.items()):
+            if any(r.request_id in ids for r in held):
+                self._interlace_held[trace] = [r for r in held if r.request_id not in ids]
+                self._interlace_release(trace)
+        return super().finish_requests(request_ids, finished_status)
+
+    def _interlace_release(self, trace: str) -> None:
+        for request in sorted(self._interlace_held.pop(trace, []), key=lambda r: _gang(r)[1]):
+            super().add_request(request)
+
+
+def _gang(request):
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    return extra.get(GANG_KEY) if extra else None
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_scheduler(*args, vllm_config, **kwargs):
+    """Build vLLM's default scheduler for this config, with gang admission mixed in."""
+    if vllm_config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as base
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler as base
+    cls = _CLASSES.setdefault(base, type(f"Gang{base.__name__}", (GangAdmission, base), {}))
+    scheduler = cls(*args, vllm_config=vllm_config, **kwargs)
+    scheduler._interlace_held = {}
+    return scheduler
