@@ -1,0 +1,59 @@
+"""Chunked prefill: long prompts split across scheduler steps.
+
+Declarative ops are row-wise, so they stay exact across chunks. A program sees step 0 once, with
+the whole prompt, which a split prompt cannot give it: it fails with a message naming the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import interlace
+from interlace import ops
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    model = interlace.Model("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8)
+    model.engine
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def long_ids(oracles):
+    ids = oracles["tiny-llama"].ids("Steering vectors add a direction to the residual stream. " * 12)[:100]
+    assert len(ids) == 100  # > 32: split into several chunks
+    return ids
+
+
+def test_ops_are_exact_across_chunks(chunked, oracles, long_ids):
+    oracle = oracles["tiny-llama"]
+    out = chunked.generate(long_ids, ops=[ops.save("layers.1.resid", name="all", steps=[0]),
+                                          ops.save("layers.2.resid", name="last", tokens="last", steps=[0])])
+    ref = oracle.run(long_ids)["resid"]
+    torch.testing.assert_close(out.saves["all"], ref[1], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(out.saves["last"], ref[2][-1:], atol=ATOL, rtol=ATOL)
+
+
+def test_steering_op_across_chunks_matches_transformers(chunked, oracles, long_ids):
+    oracle = oracles["tiny-llama"]
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(3)) * 2
+    expected = oracle.greedy(long_ids, 4, hooks={oracle.layers[1]: lambda out: out + vector})
+    out = chunked.generate(long_ids, ops=[ops.add("layers.1.resid", vector)], max_tokens=4, ignore_eos=True)
+    assert out.token_ids == expected
+
+
+def test_program_on_a_split_prompt_names_the_fix(chunked, long_ids):
+    with pytest.raises(interlace.InterventionError, match="chunked prefill.*enable_chunked_prefill=False"):
+        chunked.generate(long_ids, program=lambda m: m.save("x", m.layers[1].resid))
+
+
+def test_program_on_a_prompt_that_fits_works(chunked, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("The capital of France is")
+    out = chunked.generate(ids, program=lambda m: m.save("x", m.layers[1].resid))
+    torch.testing.assert_close(out.saves["x"], oracle.run(ids)["resid"][1], atol=ATOL, rtol=ATOL)

@@ -1,0 +1,124 @@
+"""Bad input fails that trace alone, with a clear message; the engine keeps serving."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import interlace
+from interlace import ops
+
+PROMPT = "The capital of France is"
+
+
+def _still_serves(model, oracles):
+    ids = oracles["tiny-llama"].ids(PROMPT)
+    out = model.generate(ids, ops=[ops.save("layers.0.resid")], max_tokens=3, ignore_eos=True)
+    assert out.saves["layers.0.resid"].shape[0] == len(ids) + 2
+    assert model.engine.collective_rpc("interlace_installed_hooks") == [[]]
+
+
+def test_exception_in_program_carries_the_user_traceback(llama, oracles):
+    def helper_that_fails(x):
+        return x / undefined_name  # noqa: F821
+
+    def program(m):
+        helper_that_fails(m.layers[1].resid)
+
+    with pytest.raises(interlace.InterventionError) as err:
+        llama.generate(PROMPT, program=program)
+    text = str(err.value)
+    assert "NameError" in text and "helper_that_fails" in text and "undefined_name" in text
+    assert err.value.record["where"].startswith("step 0")
+    _still_serves(llama, oracles)
+
+
+def test_failure_of_one_invoke_leaves_the_others_in_its_trace_intact(llama, oracles):
+    ids = oracles["tiny-llama"].ids(PROMPT)
+
+    def boom(m):
+        if m.step == 1:
+            raise ValueError("bad luck")
+
+    with pytest.raises(interlace.InterventionError, match="bad luck") as err:
+        with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+            tr.invoke(ids, ops=[ops.save("layers.1.resid")])
+            tr.invoke(ids, program=boom)
+    assert err.value.invoke == 1
+    partial = err.value.partial
+    assert partial[0].saves["layers.1.resid"].shape[0] == len(ids) + 2
+
+
+def test_infinite_loop_is_cut_off(llama, oracles):
+    def spin(m):
+        m.layers[0].resid
+        while True:
+            pass
+
+    started = time.monotonic()
+    with pytest.raises(interlace.InterventionError, match="time limit of 2s"):
+        with llama.trace(timeout_s=2) as tr:
+            tr.invoke(PROMPT, program=spin)
+    assert time.monotonic() - started < 20
+    _still_serves(llama, oracles)
+
+
+def test_write_of_wrong_shape_or_dtype_is_refused(llama, oracles):
+    def wrong_shape(m):
+        m.layers[1].resid = torch.zeros(3)
+
+    def wrong_dtype(m):
+        m.layers[1].resid = torch.zeros_like(m.layers[1].resid, dtype=torch.int64)
+
+    with pytest.raises(interlace.InterventionError, match=r"shape \(3,\) does not match"):
+        llama.generate(PROMPT, program=wrong_shape)
+    with pytest.raises(interlace.InterventionError, match="dtype torch.int64 cannot replace"):
+        llama.generate(PROMPT, program=wrong_dtype)
+    _still_serves(llama, oracles)
+
+
+def test_huge_saves_are_refused(llama, oracles):
+    with pytest.raises(interlace.InterventionError, match="exceed the limit"):
+        with llama.trace(max_tokens=4, max_save_bytes=4096) as tr:
+            tr.invoke(PROMPT, program=lambda m: m.save("all", m.layers[0].resid.repeat(100, 1)))
+    _still_serves(llama, oracles)
+
+
+def test_wrong_module_names(llama, oracles):
+    with pytest.raises(interlace.InterventionError, match=r"no module 'mlpp' under 'layers.1'.*'mlp'"):
+        llama.generate(PROMPT, program=lambda m: m.layers[1].mlpp.output)
+    # declarative ops are checked on the driver, before anything reaches the engine
+    with pytest.raises(AttributeError, match="no module 'mlpp'"):
+        llama.generate(PROMPT, ops=[ops.save("layers.1.mlpp.output")])
+    with pytest.raises(ValueError, match="must end in one of"):
+        llama.generate(PROMPT, ops=[ops.save("layers.1.mlp")])
+    _still_serves(llama, oracles)
+
+
+def test_malformed_requests_are_refused_on_the_driver(llama):
+    with pytest.raises(TypeError, match="prompt must be"):
+        llama.generate(123)
+    with pytest.raises(TypeError, match="program must be a function"):
+        llama.generate(PROMPT, program="not a function")
+    with pytest.raises(ValueError, match="tokens must be"):
+        ops.save("layers.1.resid", tokens="first")
+    with pytest.raises(ValueError, match="no invokes"):
+        llama.trace().run()
+
+
+def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):
+    import types
+
+    module = types.ModuleType("not_on_the_worker")  # a module the worker cannot import
+    exec("def f(m):\n    m.save('x', m.layers[0].resid)\n", module.__dict__)
+    import sys
+
+    sys.modules["not_on_the_worker"] = module
+    try:
+        with pytest.raises(interlace.InterventionError, match="loading the invoke's program"):
+            llama.generate(PROMPT, program=module.f)
+    finally:
+        del sys.modules["not_on_the_worker"]
+    _still_serves(llama, oracles)
