@@ -30,6 +30,7 @@ from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
+MAILBOX = "@mailbox"  # pseudo-module of the points receivers wait at: Point(MAILBOX, name)
 
 
 @dataclass
@@ -220,19 +221,24 @@ class Interleaver:
         for call, ctx in self.step.calls:
             call.start()
             self._after_resume(call, ctx)
+            self._pump(self.step)
 
     def end_step(self) -> None:
         step, self.step = self.step, None
         if step is None:
             return
+        self.step = step  # receivers' messages below name the step's invokes
         for call, ctx in step.calls:
-            if not call.done:
+            if not call.done and call.waiting_for.module == MAILBOX:
+                call.cancel(self._unsent(ctx, call.waiting_for.kind))
+            elif not call.done:
                 call.cancel(
                     f"{call.waiting_for} was not reached after {call.view._current or 'the start of the step'}: "
                     "it comes earlier in the forward pass than the previous access (accesses within "
                     "a step must follow the forward order), or it does not run on this model/rank"
                 )
             self._close_call(call, ctx)
+        self.step = None
 
     # --- at a hooked module (engine thread) ----------------------------------------------------
 
@@ -267,6 +273,7 @@ class Interleaver:
             for call, ctx in ready:
                 if call.waiting_for.module == module and call.waiting_for.kind in kinds and not call.done:
                     self._deliver(call, ctx, call.waiting_for, access)
+                    self._pump(step)
         return access.result()
 
     def _apply_ops(self, point: Point, access: "_PointAccess", sites: list[OpSite]) -> None:
@@ -311,7 +318,7 @@ class Interleaver:
         return Rows.of(ctx.token_ranges, device)
 
     def _after_resume(self, call: ProgramCall, ctx: CallContext) -> None:
-        if not call.done:
+        if not call.done and call.waiting_for.module != MAILBOX:
             self.hooks.want(call.waiting_for, owner=ctx.invokes[0].req_id)
 
     def _close_call(self, call: ProgramCall, ctx: CallContext) -> None:
@@ -349,19 +356,37 @@ class Interleaver:
         trace = ctx.invokes[0].trace
         self.step.mailbox[(trace, name)] = value
 
-    def recv(self, ctx: CallContext, name: str) -> Any:
+    def recv(self, ctx: CallContext, name: str, call: ProgramCall) -> Any:
+        key = (ctx.invokes[0].trace, name)
+        if key in self.step.mailbox:
+            return self.step.mailbox[key]
+        return call.wait_at(Point(MAILBOX, name))  # resumed by _pump once someone sends it
+
+    def _pump(self, step: Step) -> None:
+        """Resume receivers whose value has been sent, until nothing more can move."""
+        moved = True
+        while moved:
+            moved = False
+            for call, ctx in step.calls:
+                waiting = call.waiting_for
+                if waiting is None or call.done or waiting.module != MAILBOX:
+                    continue
+                key = (ctx.invokes[0].trace, waiting.kind)
+                if key in step.mailbox:
+                    call.resume(step.mailbox[key])
+                    self._after_resume(call, ctx)
+                    moved = True
+
+    def _unsent(self, ctx: CallContext, name: str) -> str:
         trace = ctx.invokes[0].trace
-        key = (trace, name)
-        if key not in self.step.mailbox:
-            present = sorted(inv.invoke for inv in self.invokes.values()
-                             if inv.trace == trace and inv.req_id in self.step.layout.req_ids)
-            raise LookupError(
-                f"recv({name!r}) at step {ctx.step}: no invoke of this trace sent {name!r} earlier in "
-                f"this step. Invokes of the trace scheduled in this step: {present}. The sender must "
-                "be scheduled in the same step (same prompt length helps) and reach its send() "
-                "first: at each module, invokes run in invoke order."
-            )
-        return self.step.mailbox[key]
+        present = sorted(inv.invoke for inv in self.invokes.values()
+                         if inv.trace == trace and inv.req_id in self.step.layout.req_ids)
+        return (
+            f"recv({name!r}) at step {ctx.step}: no invoke of this trace sent {name!r} in this "
+            f"step. Invokes of the trace scheduled in this step: {present}. The sender must be "
+            "scheduled in the same step as the receiver (prompts that fit one step together are) "
+            "and call send() in that step."
+        )
 
 
 # --- helpers --------------------------------------------------------------------------------------

@@ -146,8 +146,11 @@ class ProgramView:
         self._ctx.services.send(self._ctx, name, value)
 
     def recv(self, name: str) -> Any:
-        """A value another invoke of this trace sent earlier in this step (activation patching)."""
-        return self._ctx.services.recv(self._ctx, name)
+        """A value another invoke of this trace sends in this step (activation patching).
+
+        Waits until the sender has sent it; fails at the end of the step if nobody did.
+        """
+        return self._ctx.services.recv(self._ctx, name, self._call)
 
     # --- the tree --------------------------------------------------------------------------------
 
