@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torch import nn
-
 from interlace.workers.points import Point, ModuleTree
 
 OnPoint = Callable[[str, str, Any], Any]  # (module, family, hooked value) -> value
 
 
 class HookSet:
-    def __init__(self, tree: ModuleTree, sampler: nn.Module | None, on_point: OnPoint):
+    def __init__(self, tree: ModuleTree, samples_slot, on_point: OnPoint):
         self.tree = tree
-        self.sampler = sampler
+        self.samples_slot = samples_slot  # runner_hooks.CallbackSlot around the runner's sampling
         self.on_point = on_point
         self._handles: dict[tuple[str, str], Any] = {}
         self._owners: dict[tuple[str, str], set[str]] = {}
@@ -51,10 +49,10 @@ class HookSet:
             return self.tree.modules[module].register_forward_pre_hook(
                 lambda _m, args: on_point(module, "input", args)
             )
+        if family == "samples":  # V2's sampler is no nn.Module: the runner adapter exposes a slot
+            return self.samples_slot.set(lambda out: on_point(module, family, out))
         if family == "logits":
             target = self.tree.modules.get("logits_processor")
-        elif family == "samples":
-            target = self.sampler
         else:
             target = self.tree.modules[module]
         if target is None:

@@ -93,13 +93,14 @@ class Step:
 
 
 class Interleaver:
-    def __init__(self, model: torch.nn.Module, sampler: torch.nn.Module | None, rank_info: dict):
+    def __init__(self, model: torch.nn.Module, samples_slot, rank_info: dict):
         self.tree = ModuleTree(model)
         self.rank = rank_info  # {"tp_rank", "pp_rank", "pp_size"}
         self.invokes: dict[str, InvokeState] = {}
         self.step: Step | None = None
-        self.hooks = HookSet(self.tree, sampler, self._on_point)
+        self.hooks = HookSet(self.tree, samples_slot, self._on_point)
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
+        self.device = next(model.parameters()).device
 
     @property
     def active(self) -> bool:
@@ -129,7 +130,7 @@ class Interleaver:
             if payload.get("program") is not None:
                 key = payload["program_key"]
                 if key not in self._programs:
-                    self._programs[key] = cloudpickle.loads(payload["program"])
+                    self._programs[key] = _on_device(cloudpickle.loads(payload["program"]), self.device)
                 state.program = self._programs[key]
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
@@ -282,9 +283,11 @@ class Interleaver:
         try:
             value = access.read(point, rows)
             if op["op"] == "save":
+                value = value.to("cpu")  # one device-to-host copy for the whole group, then split
                 offset = 0
                 for site in sites:
-                    self._save_one(site.invoke, op.get("name") or op["point"], value[offset : offset + len(site.rows)])
+                    part = value[offset : offset + len(site.rows)].clone()  # own storage, not a view
+                    self._save_one(site.invoke, op.get("name") or op["point"], part)
                     offset += len(site.rows)
             else:
                 access.write(point, rows, apply_op(op, value))
@@ -331,12 +334,14 @@ class Interleaver:
     # --- services for programs (called from the program thread while the engine waits) --------
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):  # one device-to-host copy, split on the host
+            value = value.detach().to("cpu", copy=True)
         for inv, part in zip(ctx.invokes, _split(ctx, value, "save")):
-            self._save_one(inv, name, part)
+            self._save_one(inv, name, part.clone() if len(ctx.invokes) > 1 and isinstance(part, torch.Tensor) else part)
 
     def _save_one(self, inv: InvokeState, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu", copy=True)
+            value = value.detach().to("cpu")
             inv.save_bytes += value.numel() * value.element_size()
             if inv.save_bytes > inv.max_save_bytes:
                 raise MemoryError(
@@ -347,10 +352,10 @@ class Interleaver:
         inv.saves.setdefault(name, []).append(value)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu", copy=True)
         for inv, part in zip(ctx.invokes, _split(ctx, value, "share")):
-            if isinstance(part, torch.Tensor):
-                part = part.detach().to("cpu", copy=True)
-            inv.shared.append((name, merge, part))
+            inv.shared.append((name, merge, part.clone() if isinstance(part, torch.Tensor) else part))
 
     def send(self, ctx: CallContext, name: str, value: Any) -> None:
         trace = ctx.invokes[0].trace
@@ -495,6 +500,25 @@ def _split(ctx: CallContext, value: Any, what: str) -> list[Any]:
         f"call's {ctx.num_rows} token rows or its {n} invokes (got "
         f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__})"
     )
+
+
+def _on_device(program: Any, device: torch.device) -> Any:
+    """Move tensors a program captured (closure cells, module-level globals shipped with it) to
+    the model's device, once per program, so ``resid += vector`` works with a CPU-made vector."""
+    if device.type == "cpu":
+        return program
+    for cell in getattr(program, "__closure__", None) or ():
+        try:
+            if isinstance(cell.cell_contents, torch.Tensor):
+                cell.cell_contents = cell.cell_contents.to(device)
+        except ValueError:  # an empty cell
+            pass
+    code = getattr(program, "__code__", None)
+    globals_ = getattr(program, "__globals__", {})
+    for name in code.co_names if code is not None else ():
+        if isinstance(globals_.get(name), torch.Tensor):
+            globals_[name] = globals_[name].to(device)
+    return program
 
 
 def _combine_steps(values: list) -> Any:

@@ -44,13 +44,11 @@ def layout_from_v1_runner(runner) -> BatchLayout:
 
 def layout_from_v2_input_batch(input_batch) -> BatchLayout:
     """Build the layout from the V2 runner's per-step ``InputBatch`` (vLLM GPU builds)."""
-    num_reqs = len(input_batch.req_ids)
+    num_reqs = input_batch.num_reqs
     starts = np.asarray(input_batch.query_start_loc_np[: num_reqs + 1], dtype=np.int64).copy()
-    positions = input_batch.positions[: int(starts[-1])]
-    first = positions[starts[:-1]].cpu().numpy() if num_reqs else np.zeros(0, dtype=np.int64)
     return BatchLayout(
-        req_ids=list(input_batch.req_ids),
+        req_ids=list(input_batch.req_ids[:num_reqs]),
         row_starts=starts,
-        first_positions=np.asarray(first, dtype=np.int64),
+        first_positions=np.asarray(input_batch.num_computed_tokens_np[:num_reqs], dtype=np.int64).copy(),
         num_tokens=int(input_batch.num_tokens),
     )

@@ -29,8 +29,20 @@ def install(runner) -> Interleaver:
         "pp_rank": get_pp_group().rank_in_group,
         "pp_size": get_pp_group().world_size,
     }
-    inter = Interleaver(runner.model, getattr(runner, "sampler", None), rank)
     is_v2 = not hasattr(runner, "input_batch")
+    samples_slot = CallbackSlot()
+    sample_fn = "sample" if is_v2 else "_sample"  # both return the SamplerOutput (V2: first item)
+    original_sample_fn = getattr(runner, sample_fn)
+
+    @functools.wraps(original_sample_fn)
+    def sample_with_slot(*args, **kwargs):
+        result = original_sample_fn(*args, **kwargs)
+        if samples_slot.callback is not None:
+            samples_slot.callback(result[0] if isinstance(result, tuple) else result)
+        return result
+
+    setattr(runner, sample_fn, sample_with_slot)
+    inter = Interleaver(runner.model, samples_slot, rank)
     captured = {}
 
     if is_v2:  # V2 builds a fresh InputBatch each step: keep the one the forward will use
@@ -81,6 +93,20 @@ def install(runner) -> Interleaver:
     runner.sample_tokens = sample_tokens
     runner.model.register_forward_pre_hook(begin_step, with_kwargs=True)
     return inter
+
+
+class CallbackSlot:
+    """A hook point on a plain method: holds at most one callback, removable like a torch hook."""
+
+    def __init__(self):
+        self.callback = None
+
+    def set(self, callback) -> "CallbackSlot":
+        self.callback = callback
+        return self
+
+    def remove(self) -> None:
+        self.callback = None
 
 
 def _payload(new_request) -> bytes | None:
