@@ -155,7 +155,8 @@ class Interleaver:
             "trace": state.trace,
             "invoke": state.invoke,
             "stage": self.rank["pp_rank"],
-            "saves": {name: _combine_steps(values) for name, values in state.saves.items()},
+            "saves": {name: _combine_steps([v.value() if isinstance(v, _SavedRows) else v for v in values])
+                      for name, values in state.saves.items()},
             "shared": state.shared,
             "error": state.error,
         }
@@ -283,12 +284,11 @@ class Interleaver:
         try:
             value = access.read(point, rows)
             if op["op"] == "save":
-                value = value.to("cpu")  # one device-to-host copy for the whole group, then split
-                offset = 0
+                ranges, offset = [], 0
                 for site in sites:
-                    part = value[offset : offset + len(site.rows)].clone()  # own storage, not a view
-                    self._save_one(site.invoke, op.get("name") or op["point"], part)
+                    ranges.append((offset, offset + len(site.rows)))
                     offset += len(site.rows)
+                self._save_rows([s.invoke for s in sites], op.get("name") or op["point"], value, ranges)
             else:
                 access.write(point, rows, apply_op(op, value))
         except Exception as exc:  # noqa: BLE001
@@ -334,28 +334,42 @@ class Interleaver:
     # --- services for programs (called from the program thread while the engine waits) --------
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):  # one device-to-host copy, split on the host
-            value = value.detach().to("cpu", copy=True)
-        for inv, part in zip(ctx.invokes, _split(ctx, value, "save")):
-            self._save_one(inv, name, part.clone() if len(ctx.invokes) > 1 and isinstance(part, torch.Tensor) else part)
+        if not isinstance(value, torch.Tensor):
+            for inv in ctx.invokes:
+                inv.saves.setdefault(name, []).append(value)
+            return
+        self._save_rows(ctx.invokes, name, value, _split_ranges(ctx, value, "save"))
 
-    def _save_one(self, inv: InvokeState, name: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu")
-            inv.save_bytes += value.numel() * value.element_size()
-            if inv.save_bytes > inv.max_save_bytes:
+    def _save_rows(self, invokes: list[InvokeState], name: str, value: torch.Tensor,
+                   ranges: list[tuple[int, int]]) -> None:
+        """Start one asynchronous device-to-host copy of ``value``; each invoke keeps its rows.
+
+        The engine never waits here: the copy is ordered on the compute stream and read only when
+        the invoke's report is written (the pinned buffer's event says when it has landed).
+        """
+        row_bytes = value[0].numel() * value.element_size() if value.dim() else value.element_size()
+        for inv, (start, stop) in zip(invokes, ranges):
+            if inv.save_bytes + (stop - start) * row_bytes > inv.max_save_bytes:
                 raise MemoryError(
                     f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
                     f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
                     "e.g. m.last(x) or a reduction)"
                 )
-        inv.saves.setdefault(name, []).append(value)
+        host = _HostCopy(value)
+        for inv, (start, stop) in zip(invokes, ranges):
+            inv.save_bytes += (stop - start) * row_bytes
+            inv.saves.setdefault(name, []).append(_SavedRows(host, start, stop))
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
             value = value.detach().to("cpu", copy=True)
-        for inv, part in zip(ctx.invokes, _split(ctx, value, "share")):
-            inv.shared.append((name, merge, part.clone() if isinstance(part, torch.Tensor) else part))
+            parts = [value[a:b].clone() for a, b in _split_ranges(ctx, value, "share")]
+        elif len(ctx.invokes) == 1:
+            parts = [value]
+        else:
+            raise ValueError(f"share() in a batched call over {len(ctx.invokes)} invokes needs a tensor to split per invoke")
+        for inv, part in zip(ctx.invokes, parts):
+            inv.shared.append((name, merge, part))
 
     def send(self, ctx: CallContext, name: str, value: Any) -> None:
         trace = ctx.invokes[0].trace
@@ -485,21 +499,56 @@ def _group_sites(sites) -> list[list[OpSite]]:
     return list(groups.values())
 
 
-def _split(ctx: CallContext, value: Any, what: str) -> list[Any]:
-    """Split a batched call's value per invoke (by token rows, or one row per invoke)."""
+def _split_ranges(ctx: CallContext, value: torch.Tensor, what: str) -> list[tuple[int, int]]:
+    """Each invoke's rows of a batched call's tensor (by token rows, or one row per invoke)."""
     n = len(ctx.invokes)
     if n == 1:
-        return [value]
-    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return [(0, value.shape[0] if value.dim() else 1)]
+    if value.dim() >= 1:
         if value.shape[0] == ctx.num_rows:
-            return [value[s] for s in ctx.local_rows]
+            return [(r.start, r.stop) for r in ctx.local_rows]
         if value.shape[0] == n:  # one row per invoke, kept 2-D as a single invoke's call would
-            return [value[j : j + 1] for j in range(n)]
+            return [(j, j + 1) for j in range(n)]
     raise ValueError(
         f"{what}() in a batched call over {n} invokes needs a tensor whose first dim is the "
-        f"call's {ctx.num_rows} token rows or its {n} invokes (got "
-        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__})"
+        f"call's {ctx.num_rows} token rows or its {n} invokes (got shape {tuple(value.shape)})"
     )
+
+
+class _HostCopy:
+    """A tensor on its way to host memory: pinned and non-blocking on CUDA, a plain copy on CPU."""
+
+    def __init__(self, value: torch.Tensor):
+        value = value.detach()
+        if value.device.type == "cuda":
+            self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self.host.copy_(value, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = value.to("cpu", copy=True)
+            self.ready = None
+
+    def get(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self.host
+
+
+class _SavedRows:
+    """One invoke's rows of a :class:`_HostCopy`; read only when the report is written."""
+
+    __slots__ = ("copy", "start", "stop")
+
+    def __init__(self, copy: _HostCopy, start: int, stop: int):
+        self.copy, self.start, self.stop = copy, start, stop
+
+    def value(self) -> torch.Tensor:
+        host = self.copy.get()
+        if host.dim() == 0 or (self.start, self.stop) == (0, host.shape[0]):
+            return host
+        return host[self.start : self.stop].clone()  # own storage: a view would pickle it all
 
 
 def _on_device(program: Any, device: torch.device) -> Any:
