@@ -57,8 +57,10 @@ def test_next_token_logprobs_match_transformers(any_model, oracle):
         got = out.outputs[0].logprobs[0]
         assert len(got) >= 20
         for token_id, lp in got.items():
-            # float32 on both sides; differences come from kernel summation order only
-            assert abs(lp.logprob - expected[token_id].item()) < 1e-4, (prompt, token_id)
+            # float32 on both sides: on CPU only summation order differs; GPUs run float32
+            # matmuls in TF32
+            tolerance = 1e-4 if not torch.cuda.is_available() else 2e-2
+            assert abs(lp.logprob - expected[token_id].item()) < tolerance, (prompt, token_id)
 
 
 def test_greedy_continuations_match_transformers(any_model, oracle):

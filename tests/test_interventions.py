@@ -7,7 +7,9 @@ import torch
 import interlace
 from interlace import ops
 
-ATOL = 1e-4  # float32 on both sides; kernels differ only in summation order
+# float32 on both sides; on CPU kernels differ only in summation order. On GPUs vLLM's float32
+# matmuls run in TF32, which moves activations by up to ~2e-3 against the CPU oracle.
+ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2
 PROMPT = "The capital of France is"
 
 

@@ -8,7 +8,7 @@ import torch
 import interlace
 from interlace import ops
 
-ATOL = 1e-4
+ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2  # GPU float32 matmuls run in TF32
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 
 

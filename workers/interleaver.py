@@ -342,10 +342,10 @@ class Interleaver:
 
     def _save_rows(self, invokes: list[InvokeState], name: str, value: torch.Tensor,
                    ranges: list[tuple[int, int]]) -> None:
-        """Start one asynchronous device-to-host copy of ``value``; each invoke keeps its rows.
+        """Keep one copy of ``value`` for the whole group; each invoke keeps its rows of it.
 
-        The engine never waits here: the copy is ordered on the compute stream and read only when
-        the invoke's report is written (the pinned buffer's event says when it has landed).
+        The engine never waits here: the copy stays on the device until the first of these
+        invokes is reported (bounded by ``max_save_bytes`` per invoke).
         """
         row_bytes = value[0].numel() * value.element_size() if value.dim() else value.element_size()
         for inv, (start, stop) in zip(invokes, ranges):
@@ -516,24 +516,17 @@ def _split_ranges(ctx: CallContext, value: torch.Tensor, what: str) -> list[tupl
 
 
 class _HostCopy:
-    """A tensor on its way to host memory: pinned and non-blocking on CUDA, a plain copy on CPU."""
+    """Saved rows on their way to the host. Saving makes a device-side copy (asynchronous, and
+    safe from later in-place kernels); the one device-to-host transfer happens when the first
+    invoke sharing it is reported, so no step of the forward pass waits on it."""
 
     def __init__(self, value: torch.Tensor):
-        value = value.detach()
-        if value.device.type == "cuda":
-            self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            self.host.copy_(value, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host = value.to("cpu", copy=True)
-            self.ready = None
+        self.copy = value.detach().clone()
 
     def get(self) -> torch.Tensor:
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
-        return self.host
+        if self.copy.device.type != "cpu":
+            self.copy = self.copy.to("cpu")
+        return self.copy
 
 
 class _SavedRows:
