@@ -26,7 +26,12 @@ from interlace.cluster.config import ModelConfig
 WORKER_EXTENSION = "interlace.workers.extension.InterlaceWorkerExtension"
 SCHEDULER = "interlace.workers.scheduler.make_scheduler"  # a trace's invokes share a step
 _CPU_KV_CACHE_BYTES = 256 * 1024**2
-_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_GPU_ENV = {
+    # NVLink multicast off: on shared hosts it can take GPUs out of service; TP=2 crashed with it.
+    "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+    # Spawn, not fork: a driver that touched CUDA (a test, a notebook) cannot fork engine processes.
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+}
 
 
 def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class InvokeState:
     error: dict | None = None
     save_bytes: int = 0
     touched: set[str] = field(default_factory=set)  # modules this invoke's program reached
+    next_position: int = 0  # where the next scheduled chunk must start; less means recomputation
 
     def fail(self, record: dict) -> None:
         if self.error is None:
@@ -179,6 +180,13 @@ class Interleaver:
             start, stop = int(layout.row_starts[i]), int(layout.row_starts[i + 1])
             first = int(layout.first_positions[i])
             end = first + (stop - start)
+            if first < state.next_position:
+                state.fail(error_record(RuntimeError(
+                    f"vLLM preempted this request and recomputed it from position {first} (KV cache "
+                    "pressure); interventions already applied cannot be replayed exactly. Give the "
+                    "engine more KV cache or run fewer requests at once"), where=f"position {first}"))
+                continue
+            state.next_position = end
             final_chunk = end >= state.prompt_len
             prog_step = max(0, end - state.prompt_len)
             in_step[state.trace] += 1
@@ -280,7 +288,7 @@ class Interleaver:
 
     def _apply_ops(self, point: Point, access: "_PointAccess", sites: list[OpSite]) -> None:
         op = sites[0].op
-        rows = Rows(torch.tensor([r for s in sites for r in s.rows], dtype=torch.long, device=access.device))
+        rows = Rows.at([r for s in sites for r in s.rows], access.device)
         try:
             value = access.read(point, rows)
             if op["op"] == "save":

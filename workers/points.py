@@ -116,6 +116,14 @@ def token_dim(t: torch.Tensor, num_tokens: int) -> int | None:
     return None
 
 
+def device_index(index: torch.Tensor, device) -> torch.Tensor:
+    """Move a host index to ``device`` without stalling: a plain host-to-device copy from pageable
+    memory waits for the GPU to drain, which would serialise every step with the CPU."""
+    if torch.device(device).type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 class Rows:
     """A selection of rows (contiguous when possible, so reads are views and cost nothing)."""
 
@@ -126,8 +134,14 @@ class Rows:
     def of(cls, ranges: list[tuple[int, int]], device) -> "Rows":
         if len(ranges) == 1 or all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
             return cls(slice(ranges[0][0], ranges[-1][1]))
-        idx = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
-        return cls(idx)
+        return cls(device_index(torch.cat([torch.arange(a, b) for a, b in ranges]), device))
+
+    @classmethod
+    def at(cls, rows: list[int], device) -> "Rows":
+        """Given rows; a contiguous run stays a slice (a view, no index tensor at all)."""
+        if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+            return cls(slice(rows[0], rows[-1] + 1))
+        return cls(device_index(torch.tensor(rows, dtype=torch.long), device))
 
     def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if isinstance(self.index, slice):

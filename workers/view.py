@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from interlace.workers.points import Point
+from interlace.workers.points import Point, device_index
 
 
 class Node:
@@ -118,7 +118,9 @@ class ProgramView:
     def last(self, x: torch.Tensor) -> torch.Tensor:
         """Each invoke's last token row of ``x``: ``[n, ...]``."""
         if x.shape[0] == self._ctx.num_rows:
-            return x[[r.stop - 1 for r in self.rows]]
+            if self._ctx.num_rows == self.n:  # one row each (decode steps): already the last rows
+                return x
+            return x.index_select(0, device_index(torch.tensor([r.stop - 1 for r in self.rows]), x.device))
         if x.shape[0] == self.n:
             return x
         raise ValueError(f"last(): expected {self._ctx.num_rows} token rows or {self.n} invoke rows, got shape {tuple(x.shape)}")
