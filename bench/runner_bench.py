@@ -59,7 +59,6 @@ def prompts(n: int, length: int) -> list[list[int]]:
 def bench_plain(args, data) -> dict:
     from vllm import LLM, SamplingParams
 
-    from interlace.cluster.config import ModelConfig
     from interlace.cluster.engine import engine_args, prepare_environment
 
     cfg = config(args)

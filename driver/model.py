@@ -26,13 +26,14 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.merge import merge_shared
+from interlace import settings as interlace_settings
 from interlace.trace import (
-    DEFAULT_TIMEOUT_S,
     InterventionError,
     Invoke,
     InvokeResult,
@@ -59,6 +60,8 @@ class Model:
         self._tree: ModuleTree | None = None
         self._lock = threading.Lock()
         self._sink_root = Path(tempfile.mkdtemp(prefix="interlace-", dir=_fast_tmp()))
+        # Reports live in memory-backed /dev/shm: remove them even if close() is never called.
+        weakref.finalize(self, shutil.rmtree, str(self._sink_root), True)
 
     # --- engine ------------------------------------------------------------------------------
 
@@ -111,7 +114,7 @@ class Model:
         """
         settings = dict(max_tokens=max_tokens, temperature=temperature, seed=seed,
                         logprobs=0 if logprobs else None, **sampling)
-        return Trace(self, settings, timeout_s or DEFAULT_TIMEOUT_S(), max_save_bytes)
+        return Trace(self, settings, timeout_s or interlace_settings.trace_timeout_s(), max_save_bytes)
 
     def generate(self, prompt: str | list[int], program: Callable | None = None,
                  ops: Iterable[dict] = (), steps: Iterable[int] | None = None, **trace_kwargs: Any) -> InvokeResult:

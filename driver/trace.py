@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-from interlace import settings
 
 
 def batched(program: Callable) -> Callable:
@@ -123,5 +122,3 @@ def check_ops(ops: Iterable[dict], tree) -> None:
             raise TypeError(f"ops must be made with interlace.ops (save, add, ...), got {op!r}")
         tree.point(op["point"])
 
-
-DEFAULT_TIMEOUT_S = settings.trace_timeout_s

@@ -41,3 +41,25 @@ def test_ops_save_and_steer_match_transformers(parallel, oracles):
     expected = oracle.greedy(ids, 5, hooks={oracle.layers[1]: lambda o: o + vector})
     steered = parallel.generate(ids, ops=[ops.add("layers.1.resid", vector)], max_tokens=5, ignore_eos=True)
     assert steered.token_ids == expected
+
+
+def test_programs(parallel, oracles):
+    """TP: every rank runs the program on the same full residual stream; rank 0 reports.
+    PP: programs are refused with a message naming the reason (ops work, see above)."""
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("The capital of France is")
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(3)) * 2
+
+    def program(m):
+        m.layers[1].resid += vector
+        m.save("resid2", m.layers[2].resid)
+
+    if parallel.config.pipeline_parallel_size > 1:
+        with pytest.raises(interlace.InterventionError, match="lives on another pipeline stage"):
+            parallel.generate(ids, program=program)
+        return
+    out = parallel.generate(ids, program=program, max_tokens=5, ignore_eos=True)
+    hooks = {oracle.layers[1]: lambda o: o + vector}
+    assert out.token_ids == oracle.greedy(ids, 5, hooks=hooks)
+    expected = oracle.run(ids + out.token_ids[:-1], hooks=hooks)["resid"][2]
+    torch.testing.assert_close(out.saves["resid2"], expected, atol=ATOL, rtol=ATOL)

@@ -13,7 +13,6 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,8 @@ from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpSite, apply as apply_op, select_rows
-from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, Rows, token_dim
+from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows
+from interlace.workers.saves import HostCopy, SavedRows, combine_steps
 from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
 
@@ -52,7 +52,6 @@ class InvokeState:
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
     error: dict | None = None
     save_bytes: int = 0
-    touched: set[str] = field(default_factory=set)  # modules this invoke's program reached
     next_position: int = 0  # where the next scheduled chunk must start; less means recomputation
 
     def fail(self, record: dict) -> None:
@@ -156,7 +155,7 @@ class Interleaver:
             "trace": state.trace,
             "invoke": state.invoke,
             "stage": self.rank["pp_rank"],
-            "saves": {name: _combine_steps([v.value() if isinstance(v, _SavedRows) else v for v in values])
+            "saves": {name: combine_steps([v.value() if isinstance(v, SavedRows) else v for v in values])
                       for name, values in state.saves.items()},
             "shared": state.shared,
             "error": state.error,
@@ -242,11 +241,7 @@ class Interleaver:
             if not call.done and call.waiting_for.module == MAILBOX:
                 call.cancel(self._unsent(ctx, call.waiting_for.kind))
             elif not call.done:
-                call.cancel(
-                    f"{call.waiting_for} was not reached after {call.view._current or 'the start of the step'}: "
-                    "it comes earlier in the forward pass than the previous access (accesses within "
-                    "a step must follow the forward order), or it does not run on this model/rank"
-                )
+                call.cancel(self._unreached(call))
             self._close_call(call, ctx)
         self.step = None
 
@@ -270,7 +265,7 @@ class Interleaver:
 
     def _dispatch(self, step: Step, module: str, family: str, hooked: Any) -> Any:
         kinds = ("input",) if family == "input" else (("output", "resid", "final") if module else (family,))
-        access = _PointAccess(hooked, step.layout)
+        access = PointAccess(hooked, step.layout)
         for kind in kinds:
             point = Point(module, kind)
             for site_group in _group_sites(step.ops.get(point, ())):
@@ -286,7 +281,7 @@ class Interleaver:
                     self._pump(step)
         return access.result()
 
-    def _apply_ops(self, point: Point, access: "_PointAccess", sites: list[OpSite]) -> None:
+    def _apply_ops(self, point: Point, access: PointAccess, sites: list[OpSite]) -> None:
         op = sites[0].op
         rows = Rows.at([r for s in sites for r in s.rows], access.device)
         try:
@@ -303,9 +298,7 @@ class Interleaver:
             for site in sites:
                 site.invoke.fail(error_record(exc, where=f"op {op['op']} at {point}"))
 
-    def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: "_PointAccess") -> None:
-        for inv in ctx.invokes:
-            inv.touched.add(point.module)
+    def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
         try:
             rows = self._rows_for(point, ctx, access.device)
             value = access.read(point, rows)
@@ -363,10 +356,10 @@ class Interleaver:
                     f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
                     "e.g. m.last(x) or a reduction)"
                 )
-        host = _HostCopy(value)
+        host = HostCopy(value)
         for inv, (start, stop) in zip(invokes, ranges):
             inv.save_bytes += (stop - start) * row_bytes
-            inv.saves.setdefault(name, []).append(_SavedRows(host, start, stop))
+            inv.saves.setdefault(name, []).append(SavedRows(host, start, stop))
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
@@ -404,6 +397,21 @@ class Interleaver:
                     self._after_resume(call, ctx)
                     moved = True
 
+    def _unreached(self, call: ProgramCall) -> str:
+        point = call.waiting_for
+        module = self.tree.modules.get(point.module)
+        if type(module).__name__ == "PPMissingLayer":
+            return (
+                f"{point} lives on another pipeline stage. Programs under pipeline parallelism "
+                "are not supported yet; declarative ops (interlace.ops) work on every stage"
+            )
+        after = call.view._current or "the start of the step"
+        return (
+            f"{point} was not reached after {after}: it comes earlier in the forward pass than the "
+            "previous access (accesses within a step must follow the forward order), or it does "
+            "not run on this model"
+        )
+
     def _unsent(self, ctx: CallContext, name: str) -> str:
         trace = ctx.invokes[0].trace
         present = sorted(inv.invoke for inv in self.invokes.values()
@@ -417,86 +425,6 @@ class Interleaver:
 
 
 # --- helpers --------------------------------------------------------------------------------------
-
-
-class _PointAccess:
-    """Row-wise reads and writes of the value a hook received, for every point kind."""
-
-    def __init__(self, hooked: Any, layout: BatchLayout):
-        self.hooked = hooked
-        self.layout = layout
-        self.device = _first_tensor(hooked).device if _first_tensor(hooked) is not None else "cpu"
-
-    def _base(self, kind: str):
-        h = self.hooked
-        if kind == "input":
-            return h[0]
-        if kind == "resid":
-            if not (isinstance(h, tuple) and len(h) == 2 and all(isinstance(t, torch.Tensor) for t in h)):
-                raise TypeError("resid is defined on decoder layers, whose output is (hidden, residual)")
-            return h
-        if kind == "final":
-            return h[0] if isinstance(h, tuple) else h
-        if kind == "samples":
-            return h.sampled_token_ids[:, 0]
-        return h
-
-    def read(self, point: Point, rows: Rows) -> Any:
-        base = self._base(point.kind)
-        if point.kind == "resid":
-            hidden, residual = base
-            return rows.take(hidden, 0) + rows.take(residual, 0)
-        return _map(base, lambda t, d: rows.take(t, d), self.layout.num_tokens, point.kind)
-
-    def write(self, point: Point, rows: Rows, value: Any) -> None:
-        base = self._base(point.kind)
-        if point.kind == "resid":  # put the whole stream in hidden and zero residual: exact sum
-            hidden, residual = base
-            rows.put(hidden, 0, value)
-            rows.put(residual, 0, torch.zeros_like(value))
-            return
-        if isinstance(base, tuple):
-            for t, v in zip(base, value):
-                d = _dim(t, self.layout.num_tokens, point.kind)
-                if d is not None:
-                    rows.put(t, d, v)
-            return
-        rows.put(base, _dim(base, self.layout.num_tokens, point.kind) or 0, value)
-
-    def is_copy(self, point: Point, rows: Rows) -> bool:
-        """Whether reads hand out copies (gathered rows, or the computed resid sum); writing
-        such a copy back unchanged is exact, so in-place edits by programs are never lost."""
-        return point.kind == "resid" or not isinstance(rows.index, slice)
-
-    def result(self) -> Any:
-        return self.hooked
-
-
-def _dim(t: Any, num_tokens: int, kind: str) -> int | None:
-    if not isinstance(t, torch.Tensor):
-        return None
-    if kind in ROW_PER_REQUEST_KINDS:
-        return 0
-    return token_dim(t, num_tokens)
-
-
-def _map(base: Any, fn, num_tokens: int, kind: str) -> Any:
-    if isinstance(base, tuple):
-        return tuple(_map(t, fn, num_tokens, kind) for t in base)
-    d = _dim(base, num_tokens, kind)
-    return base if d is None else fn(base, d)
-
-
-def _first_tensor(x: Any):
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (tuple, list)):
-        for t in x:
-            found = _first_tensor(t)
-            if found is not None:
-                return found
-    sampled = getattr(x, "sampled_token_ids", None)
-    return sampled if isinstance(sampled, torch.Tensor) else None
 
 
 def _group_sites(sites) -> list[list[OpSite]]:
@@ -523,35 +451,6 @@ def _split_ranges(ctx: CallContext, value: torch.Tensor, what: str) -> list[tupl
     )
 
 
-class _HostCopy:
-    """Saved rows on their way to the host. Saving makes a device-side copy (asynchronous, and
-    safe from later in-place kernels); the one device-to-host transfer happens when the first
-    invoke sharing it is reported, so no step of the forward pass waits on it."""
-
-    def __init__(self, value: torch.Tensor):
-        self.copy = value.detach().clone()
-
-    def get(self) -> torch.Tensor:
-        if self.copy.device.type != "cpu":
-            self.copy = self.copy.to("cpu")
-        return self.copy
-
-
-class _SavedRows:
-    """One invoke's rows of a :class:`_HostCopy`; read only when the report is written."""
-
-    __slots__ = ("copy", "start", "stop")
-
-    def __init__(self, copy: _HostCopy, start: int, stop: int):
-        self.copy, self.start, self.stop = copy, start, stop
-
-    def value(self) -> torch.Tensor:
-        host = self.copy.get()
-        if host.dim() == 0 or (self.start, self.stop) == (0, host.shape[0]):
-            return host
-        return host[self.start : self.stop].clone()  # own storage: a view would pickle it all
-
-
 def _on_device(program: Any, device: torch.device) -> Any:
     """Move tensors a program captured (closure cells, module-level globals shipped with it) to
     the model's device, once per program, so ``resid += vector`` works with a CPU-made vector."""
@@ -569,12 +468,3 @@ def _on_device(program: Any, device: torch.device) -> Any:
         if isinstance(globals_.get(name), torch.Tensor):
             globals_[name] = globals_[name].to(device)
     return program
-
-
-def _combine_steps(values: list) -> Any:
-    """One save name saved at several steps: tensors concatenate along dim 0, else a list."""
-    if len(values) == 1:
-        return values[0]
-    if all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[1:] == values[0].shape[1:] for v in values):
-        return torch.cat(values, dim=0)
-    return values

@@ -19,14 +19,6 @@ class BatchLayout:
     row_starts: np.ndarray  # [num_reqs + 1] request i owns rows row_starts[i]:row_starts[i+1]
     first_positions: np.ndarray  # [num_reqs] position of each request's first row in its sequence
     num_tokens: int  # real token rows; rows past this are padding (CUDA graphs)
-    token_dim: int = 0  # 1 for Transformers-backend models, whose batch is [1, num_tokens, hidden]
-
-    def index_of(self) -> dict[str, int]:
-        return {req_id: i for i, req_id in enumerate(self.req_ids)}
-
-    @classmethod
-    def make_dummy(cls) -> "BatchLayout":
-        return cls([], np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), 0)
 
 
 def layout_from_v1_runner(runner) -> BatchLayout:

@@ -17,9 +17,13 @@ Kinds:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from interlace.workers.layout import BatchLayout
 
 TOKEN_KINDS = ("output", "input", "resid", "final")
 ROW_PER_REQUEST_KINDS = ("logits", "samples")
@@ -153,3 +157,86 @@ class Rows:
             t[self.index] = value
         else:
             t[:, self.index] = value
+
+
+# --- the value a hook received, read and written by rows, for every kind ---------------------
+
+
+class PointAccess:
+    """Row-wise reads and writes of the value a hook received, for every point kind."""
+
+    def __init__(self, hooked: Any, layout: BatchLayout):
+        self.hooked = hooked
+        self.layout = layout
+        self.device = first_tensor(hooked).device if first_tensor(hooked) is not None else "cpu"
+
+    def _base(self, kind: str):
+        h = self.hooked
+        if kind == "input":
+            return h[0]
+        if kind == "resid":
+            if not (isinstance(h, tuple) and len(h) == 2 and all(isinstance(t, torch.Tensor) for t in h)):
+                raise TypeError("resid is defined on decoder layers, whose output is (hidden, residual)")
+            return h
+        if kind == "final":
+            return h[0] if isinstance(h, tuple) else h
+        if kind == "samples":
+            return h.sampled_token_ids[:, 0]
+        return h
+
+    def read(self, point: Point, rows: Rows) -> Any:
+        base = self._base(point.kind)
+        if point.kind == "resid":
+            hidden, residual = base
+            return rows.take(hidden, 0) + rows.take(residual, 0)
+        return _map(base, lambda t, d: rows.take(t, d), self.layout.num_tokens, point.kind)
+
+    def write(self, point: Point, rows: Rows, value: Any) -> None:
+        base = self._base(point.kind)
+        if point.kind == "resid":  # put the whole stream in hidden and zero residual: exact sum
+            hidden, residual = base
+            rows.put(hidden, 0, value)
+            rows.put(residual, 0, torch.zeros_like(value))
+            return
+        if isinstance(base, tuple):
+            for t, v in zip(base, value):
+                d = _dim(t, self.layout.num_tokens, point.kind)
+                if d is not None:
+                    rows.put(t, d, v)
+            return
+        rows.put(base, _dim(base, self.layout.num_tokens, point.kind) or 0, value)
+
+    def is_copy(self, point: Point, rows: Rows) -> bool:
+        """Whether reads hand out copies (gathered rows, or the computed resid sum); writing
+        such a copy back unchanged is exact, so in-place edits by programs are never lost."""
+        return point.kind == "resid" or not isinstance(rows.index, slice)
+
+    def result(self) -> Any:
+        return self.hooked
+
+
+def _dim(t: Any, num_tokens: int, kind: str) -> int | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    if kind in ROW_PER_REQUEST_KINDS:
+        return 0
+    return token_dim(t, num_tokens)
+
+
+def _map(base: Any, fn, num_tokens: int, kind: str) -> Any:
+    if isinstance(base, tuple):
+        return tuple(_map(t, fn, num_tokens, kind) for t in base)
+    d = _dim(base, num_tokens, kind)
+    return base if d is None else fn(base, d)
+
+
+def first_tensor(x: Any):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for t in x:
+            found = first_tensor(t)
+            if found is not None:
+                return found
+    sampled = getattr(x, "sampled_token_ids", None)
+    return sampled if isinstance(sampled, torch.Tensor) else None
