@@ -88,7 +88,6 @@ class Step:
     layout: BatchLayout
     calls: list[tuple[ProgramCall, CallContext]]
     ops: dict[Point, list[OpSite]]  # ops to apply at each point this step
-    in_step: dict[str, int]  # trace -> invokes of it in this step
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
 
 
@@ -171,7 +170,6 @@ class Interleaver:
     def begin_step(self, layout: BatchLayout) -> None:
         groups: dict[tuple[str, int], list[tuple[int, InvokeState, int, int, int]]] = defaultdict(list)
         ops: dict[Point, list[OpSite]] = defaultdict(list)
-        in_step: dict[str, int] = defaultdict(int)
         for i, req_id in enumerate(layout.req_ids):
             state = self.invokes.get(req_id)
             if state is None or state.error is not None:
@@ -188,7 +186,6 @@ class Interleaver:
             state.next_position = end
             final_chunk = end >= state.prompt_len
             prog_step = max(0, end - state.prompt_len)
-            in_step[state.trace] += 1
             for op in state.ops:
                 if op.get("steps") is not None and prog_step not in op["steps"]:
                     continue
@@ -209,7 +206,7 @@ class Interleaver:
                     "declarative ops, which handle chunks exactly"), where="step 0"))
                 continue
             groups[(state.group_key, prog_step)].append((i, state, start, stop, first))
-        self.step = Step(layout, [], ops, in_step)
+        self.step = Step(layout, [], ops)
         for (_, prog_step), members in groups.items():
             members.sort(key=lambda m: m[1].invoke)
             ctx = CallContext(
