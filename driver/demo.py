@@ -61,22 +61,28 @@ def main(argv: list[str] | None = None) -> None:
             tr.invoke(clean, program=send_clean, steps=[0])  # programs run at step 0 only
             tr.invoke(corrupt, program=patch, steps=[0])
 
-        lm_head = _lm_head(model)
+        lens = _logit_lens(model)
         print("logit lens (top token after each layer, prompt's last position):")
         for name, resid in tr.result[0].saves.items():
-            print(f"  {name}: {model.tokenizer.decode([int((resid @ lm_head.T).argmax())])!r}")
+            print(f"  {name}: {model.tokenizer.decode([int(lens(resid).argmax())])!r}")
         print(f"steered: {PROMPTS[0]!r} -> {tr.result[1].text!r}")
         print(f"patched: next token {model.tokenizer.decode([int(tr.result[3].saves['logits'][0].argmax())])!r} "
               f"(clean run: {tr.result[2].text[:1]!r}...)")
     print(f"\ndone in {time.monotonic() - started:.0f}s")
 
 
-def _lm_head(model: interlace.Model) -> torch.Tensor:
-    """The unembedding, read from the checkpoint (CPU workers repack their linear weights)."""
+def _logit_lens(model: interlace.Model):
+    """Final RMSNorm then unembedding, read from the checkpoint (CPU workers repack weights)."""
     from safetensors.torch import load_file
 
     weights = load_file(f"{model.config.checkpoint_path()}/model.safetensors")
-    return weights["lm_head.weight"]
+    norm, unembed = weights["model.norm.weight"], weights["lm_head.weight"]
+
+    def lens(resid: torch.Tensor) -> torch.Tensor:
+        normed = resid * torch.rsqrt(resid.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+        return normed @ unembed.T
+
+    return lens
 
 
 if __name__ == "__main__":
