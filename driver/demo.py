@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, resid in tr.result[0].saves.items():
             print(f"  {name}: {model.tokenizer.decode([int(lens(resid).argmax())])!r}")
         print(f"steered: {PROMPTS[0]!r} -> {tr.result[1].text!r}")
-        print(f"patched: next token {model.tokenizer.decode([int(tr.result[3].saves['logits'][0].argmax())])!r} "
-              f"(clean run: {tr.result[2].text[:1]!r}...)")
+        patched = model.tokenizer.decode([int(tr.result[3].saves["logits"][0].argmax())])
+        print(f"patched: next token {patched!r} (clean run: {model.tokenizer.decode(tr.result[2].token_ids[:1])!r})")
     print(f"\ndone in {time.monotonic() - started:.0f}s")
 
 
