@@ -25,7 +25,7 @@ from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpSite, apply as apply_op, select_rows
 from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows
-from interlace.workers.saves import HostCopy, SavedRows, combine_steps
+from interlace.workers.saves import DeferredCopy, SavedRows, combine_steps
 from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
 
@@ -353,10 +353,10 @@ class Interleaver:
                     f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
                     "e.g. m.last(x) or a reduction)"
                 )
-        host = HostCopy(value)
+        copy = DeferredCopy(value)
         for inv, (start, stop) in zip(invokes, ranges):
             inv.save_bytes += (stop - start) * row_bytes
-            inv.saves.setdefault(name, []).append(SavedRows(host, start, stop))
+            inv.saves.setdefault(name, []).append(SavedRows(copy, start, stop))
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 
-class HostCopy:
-    """Saved rows on their way to the host. Saving makes a device-side copy (asynchronous, and
-    safe from later in-place kernels); the one device-to-host transfer happens when the first
-    invoke sharing it is reported, so no step of the forward pass waits on it."""
+class DeferredCopy:
+    """A saved value held where it was made (a device-side copy: asynchronous, and safe from
+    later in-place kernels) until the first invoke sharing it is reported; only then does it
+    cross to the host, so no step of the forward pass waits on a device-to-host copy."""
 
     def __init__(self, value: torch.Tensor):
         self.copy = value.detach().clone()
@@ -27,11 +27,11 @@ class HostCopy:
 
 
 class SavedRows:
-    """One invoke's rows of a :class:`HostCopy`; read only when the report is written."""
+    """One invoke's rows of a :class:`DeferredCopy`; read only when the report is written."""
 
     __slots__ = ("copy", "start", "stop")
 
-    def __init__(self, copy: HostCopy, start: int, stop: int):
+    def __init__(self, copy: DeferredCopy, start: int, stop: int):
         self.copy, self.start, self.stop = copy, start, stop
 
     def value(self) -> torch.Tensor:
