@@ -81,7 +81,7 @@ def start_engine(cfg: ModelConfig, **overrides: Any):
 
     prepare_environment(cfg)
     llm = LLM(**engine_args(cfg, **overrides))
-    llm.collective_rpc("interlace_install")
+    llm.collective_rpc("interlace_install", args=(all_module_names(llm.collective_rpc("interlace_module_names")),))
     return llm
 
 
@@ -92,8 +92,14 @@ async def start_async_engine(cfg: ModelConfig, **overrides: Any):
 
     prepare_environment(cfg)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg, **overrides)))
-    await engine.collective_rpc("interlace_install")
+    names = all_module_names(await engine.collective_rpc("interlace_module_names"))
+    await engine.collective_rpc("interlace_install", args=(names,))
     return engine
+
+
+def all_module_names(per_rank: list[list[str]]) -> list[str]:
+    """The whole model's module names, in forward order, from each rank's (stages hold parts)."""
+    return list(dict.fromkeys(name for names in per_rank for name in names))
 
 
 def shutdown_engine(engine) -> None:

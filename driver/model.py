@@ -82,10 +82,9 @@ class Model:
     def tree(self) -> ModuleTree:
         """The model's module names, as the workers see them (used to check ops early)."""
         if self._tree is None:
-            names: list[str] = []
-            for rank_names in self.engine.collective_rpc("interlace_module_names"):
-                names += [n for n in rank_names if n not in names]
-            self._tree = ModuleTree(names=names)
+            from interlace.cluster.engine import all_module_names
+
+            self._tree = ModuleTree(names=all_module_names(self.engine.collective_rpc("interlace_module_names")))
         return self._tree
 
     def close(self) -> None:

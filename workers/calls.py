@@ -28,6 +28,10 @@ class ProgramError(Exception):
     """Raised inside a program thread to stop it (timeout, engine-side refusal)."""
 
 
+class Suspended(ProgramError):
+    """Raised inside a program thread whose next access belongs to a later pipeline stage."""
+
+
 class _Finished:
     """Sentinel: the program returned (or failed) for this step."""
 
@@ -78,10 +82,17 @@ _POOL = _ThreadPool()
 class ProgramCall:
     """One program run over one step; the engine drives it with :meth:`start` and :meth:`resume`."""
 
-    def __init__(self, program: Callable, view, budget_s: float):
+    def __init__(self, program: Callable, view, budget_s: float, replay: list | None = None,
+                 keep_log: bool = False):
         self.program = program
         self.view = view
         self.budget_s = budget_s  # program running time left to the trace
+        # Pipeline parallelism (see pipeline.py): the values earlier stages' accesses returned, and
+        # whether to log this stage's for the next one.
+        self.replay = replay or []
+        self.replaying = replay is not None  # even with no values: the code before the first access ran there
+        self.log: list | None = [] if keep_log else None
+        self._accesses = 0
         self.used_s = 0.0  # time the program ran in this call (engine time not counted)
         self.waiting_for: Point | _Finished | None = None  # what the program needs next
         self.error: dict | None = None
@@ -104,9 +115,16 @@ class ProgramCall:
 
     def cancel(self, reason: str) -> None:
         """Stop a program that is waiting at a point that will not come."""
+        self._stop(ProgramError(reason))
+
+    def suspend(self) -> None:
+        """Stop a program whose next access runs on a later pipeline stage (not an error)."""
+        self._stop(Suspended())
+
+    def _stop(self, exc: ProgramError) -> None:
         if self.waiting_for is FINISHED:
             return
-        self._value = ProgramError(reason)
+        self._value = exc
         self._to_program.release()
         self._wait_for_program()
 
@@ -138,6 +156,18 @@ class ProgramCall:
 
     # --- program side --------------------------------------------------------------------------
 
+    def access(self, live: Callable[[], Any]) -> Any:
+        """One access of the program (a point or a recv): replayed from the carry while earlier
+        pipeline stages already made it, else ``live()``; logged when a later stage needs it."""
+        index, self._accesses = self._accesses, self._accesses + 1
+        if index < len(self.replay):
+            return self.replay[index]
+        self.replaying = False
+        value = live()
+        if self.log is not None:
+            self.log.append(_snapshot(value))
+        return value
+
     def wait_at(self, point: Point) -> Any:
         """Called from the program thread: block until the engine reaches ``point``."""
         self.waiting_for = point
@@ -153,6 +183,8 @@ class ProgramCall:
         try:
             with torch.inference_mode():  # grad mode is per thread; match the engine's
                 self.program(self.view)
+        except Suspended:
+            pass
         except BaseException as exc:  # noqa: BLE001 - every user failure becomes a record
             if self.waiting_for is not FINISHED:
                 self.error = error_record(exc, where=self.view.where())
@@ -161,3 +193,12 @@ class ProgramCall:
             if self.waiting_for is not FINISHED:
                 self.waiting_for = FINISHED
                 self._to_engine.release()
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy that later in-place kernels (and the program's own edits) cannot change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    return value

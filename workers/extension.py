@@ -9,13 +9,14 @@ from __future__ import annotations
 
 
 class InterlaceWorkerExtension:
-    def interlace_install(self) -> None:
+    def interlace_install(self, all_modules: list[str]) -> None:
+        """Wire interlace into this rank's runner; ``all_modules``: every stage's module names."""
         from interlace.workers.runner_hooks import install
 
         runner = self.model_runner
         _ensure_pp_receive_buffer(runner)
         if getattr(runner, "_interlace", None) is None:
-            runner._interlace = install(runner)
+            runner._interlace = install(runner, all_modules)
 
     def interlace_module_names(self) -> list[str]:
         """Module names of this rank's model, for validating points on the driver."""

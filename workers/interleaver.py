@@ -24,8 +24,10 @@ from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpSite, apply as apply_op, select_rows
-from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows
+from interlace.workers.pipeline import EARLIER, HERE, LATER, Carried, StageMap
+from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, _short
 from interlace.workers.saves import DeferredCopy, SavedRows, combine_steps
+from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
 
@@ -89,14 +91,21 @@ class Step:
     calls: list[tuple[ProgramCall, CallContext]]
     ops: dict[Point, list[OpSite]]  # ops to apply at each point this step
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
+    carry: dict[tuple, Carried] = field(default_factory=dict)  # for the next pipeline stage
 
 
 class Interleaver:
-    def __init__(self, model: torch.nn.Module, samples_slot, rank_info: dict):
-        self.tree = ModuleTree(model)
-        self.rank = rank_info  # {"tp_rank", "pp_rank", "pp_size"}
+    def __init__(self, model: torch.nn.Module, samples_slot, rank_info: dict, all_modules: list[str],
+                 hidden_size: int):
+        """``all_modules``: module names of the whole model (every pipeline stage's, so programs
+        resolve the same paths everywhere); ``rank_info``: tp_rank, tp_size, pp_rank, pp_size."""
+        self.tree = ModuleTree(model, all_modules)
+        self.rank = rank_info
+        self.stages = StageMap(self.tree.local, rank_info["pp_rank"], rank_info["pp_size"], self.tree.embeddings)
+        self.tp = TensorParallelLayout(self.tree.modules, rank_info["tp_rank"], rank_info["tp_size"], hidden_size)
         self.invokes: dict[str, InvokeState] = {}
         self.step: Step | None = None
+        self.carry_in: dict[tuple, Carried] = {}  # from the previous pipeline stage, this step
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self.device = next(model.parameters()).device
@@ -135,7 +144,7 @@ class Interleaver:
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
             state.fail(error_record(exc, where="loading the invoke's program and ops"))
         for op in state.ops:
-            if "_point" in op:
+            if "_point" in op and self.stages.where(op["_point"]) == HERE:  # other stages apply theirs
                 self.hooks.want(op["_point"], owner=req_id)
 
     def finish(self, req_ids) -> None:
@@ -207,8 +216,17 @@ class Interleaver:
                 continue
             groups[(state.group_key, prog_step)].append((i, state, start, stop, first))
         self.step = Step(layout, [], ops)
-        for (_, prog_step), members in groups.items():
+        carry_in, self.carry_in = self.carry_in, {}
+        for (group_key, prog_step), members in groups.items():
             members.sort(key=lambda m: m[1].invoke)
+            carried = carry_in.get((group_key, prog_step))
+            if carried is not None and carried.status != "suspended":
+                # finished or failed on an earlier stage: nothing left to run here
+                self.step.carry[(group_key, prog_step)] = carried
+                for m in members:
+                    if carried.error is not None:
+                        m[1].fail(carried.error)
+                continue
             ctx = CallContext(
                 tree=self.tree,
                 services=self,
@@ -220,8 +238,11 @@ class Interleaver:
                 timeout_s=members[0][1].timeout_s,
             )
             view = ProgramView(ctx)
-            call = ProgramCall(members[0][1].program, view, budget_s=ctx.timeout_s)
+            call = ProgramCall(members[0][1].program, view, budget_s=ctx.timeout_s,
+                               replay=carried.values if carried is not None else None,
+                               keep_log=not self.stages.last)
             object.__setattr__(view, "_call", call)
+            object.__setattr__(ctx, "key", (group_key, prog_step))
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
         for call, ctx in self.step.calls:
@@ -229,18 +250,34 @@ class Interleaver:
             self._after_resume(call, ctx)
             self._pump(self.step)
 
-    def end_step(self) -> None:
-        step, self.step = self.step, None
+    def end_step(self) -> dict[tuple, Carried]:
+        """Close the step's calls; returns what the next pipeline stage needs to go on."""
+        step = self.step
         if step is None:
-            return
-        self.step = step  # receivers' messages below name the step's invokes
+            return {}
         for call, ctx in step.calls:
-            if not call.done and call.waiting_for.module == MAILBOX:
-                call.cancel(self._unsent(ctx, call.waiting_for.kind))
-            elif not call.done:
-                call.cancel(self._unreached(call))
+            if not call.done and self._goes_on_later(call):
+                log = call.log
+                call.suspend()
+                step.carry[ctx.key] = Carried("suspended", log)
+            else:
+                if not call.done and call.waiting_for.module == MAILBOX:
+                    call.cancel(self._unsent(ctx, call.waiting_for.kind))
+                elif not call.done:
+                    call.cancel(self._unreached(call))
+                if not self.stages.last:
+                    step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
             self._close_call(call, ctx)
         self.step = None
+        return step.carry
+
+    def _goes_on_later(self, call: ProgramCall) -> bool:
+        """Waiting for a point a later pipeline stage owns (or, before the last stage, for a
+        value another invoke may still send there)."""
+        if self.stages.last:
+            return False
+        point = call.waiting_for
+        return point.module == MAILBOX or self.stages.where(point) == LATER
 
     # --- at a hooked module (engine thread) ----------------------------------------------------
 
@@ -281,8 +318,9 @@ class Interleaver:
     def _apply_ops(self, point: Point, access: PointAccess, sites: list[OpSite]) -> None:
         op = sites[0].op
         rows = Rows.at([r for s in sites for r in s.rows], access.device)
+        split = self.tp.split(point.module, point.kind)
         try:
-            value = access.read(point, rows)
+            value = _gather(split, access.read(point, rows))
             if op["op"] == "save":
                 ranges, offset = [], 0
                 for site in sites:
@@ -290,15 +328,16 @@ class Interleaver:
                     offset += len(site.rows)
                 self._save_rows([s.invoke for s in sites], op.get("name") or op["point"], value, ranges)
             else:
-                access.write(point, rows, apply_op(op, value))
+                access.write(point, rows, _local(split, apply_op(op, value)))
         except Exception as exc:  # noqa: BLE001
             for site in sites:
                 site.invoke.fail(error_record(exc, where=f"op {op['op']} at {point}"))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
+        split = self.tp.split(point.module, point.kind)
         try:
             rows = self._rows_for(point, ctx, access.device)
-            value = access.read(point, rows)
+            value = _gather(split, access.read(point, rows))
         except Exception as exc:  # noqa: BLE001 - e.g. resid on a module that is not a layer
             call.cancel(f"cannot read {point}: {exc}")
             return
@@ -306,9 +345,9 @@ class Interleaver:
         write = call.view._take_write() if call.view._current == point else None
         try:
             if write is not None:
-                access.write(point, rows, write)
-            elif access.is_copy(point, rows):  # the program may have edited its copy in place
-                access.write(point, rows, value)
+                access.write(point, rows, _local(split, write))
+            elif split is not None or access.is_copy(point, rows):  # edits of a copy in place
+                access.write(point, rows, _local(split, value))
         except Exception as exc:  # noqa: BLE001
             call.error = call.error or error_record(exc, where=f"writing {point}")
         self._after_resume(call, ctx)
@@ -319,8 +358,9 @@ class Interleaver:
         return Rows.of(ctx.token_ranges, device)
 
     def _after_resume(self, call: ProgramCall, ctx: CallContext) -> None:
-        if not call.done and call.waiting_for.module != MAILBOX:
-            self.hooks.want(call.waiting_for, owner=ctx.invokes[0].req_id)
+        point = call.waiting_for
+        if not call.done and point.module != MAILBOX and self.stages.where(point) == HERE:
+            self.hooks.want(point, owner=ctx.invokes[0].req_id)
 
     def _close_call(self, call: ProgramCall, ctx: CallContext) -> None:
         if call.error is not None:
@@ -375,9 +415,26 @@ class Interleaver:
 
     def recv(self, ctx: CallContext, name: str, call: ProgramCall) -> Any:
         key = (ctx.invokes[0].trace, name)
-        if key in self.step.mailbox:
-            return self.step.mailbox[key]
-        return call.wait_at(Point(MAILBOX, name))  # resumed by _pump once someone sends it
+
+        def live():
+            if key in self.step.mailbox:
+                return self.step.mailbox[key]
+            return call.wait_at(Point(MAILBOX, name))  # resumed by _pump once someone sends it
+
+        return call.access(live)
+
+    def is_parameter(self, module: str, name: str) -> bool:
+        mod = self.tree.modules.get(module)
+        if mod is None:  # runs on another pipeline stage: weight and bias are its parameters
+            return module in self.tree.modules and name in ("weight", "bias")
+        return name in mod._parameters
+
+    def parameter(self, module: str, name: str, call: ProgramCall) -> torch.Tensor | None:
+        """A parameter as the unsharded model has it (gathered across TP ranks when split).
+        Under PP it is an access like a point's: read on the stage that owns the module."""
+        if self.tree.modules.get(module) is not None:
+            return self.tp.full_parameter(module, name)
+        return call.wait_at(Point(module, f"param:{name}"))  # a later stage reads it
 
     def _pump(self, step: Step) -> None:
         """Resume receivers whose value has been sent, until nothing more can move."""
@@ -396,13 +453,13 @@ class Interleaver:
 
     def _unreached(self, call: ProgramCall) -> str:
         point = call.waiting_for
-        module = self.tree.modules.get(point.module)
-        if type(module).__name__ == "PPMissingLayer":
-            return (
-                f"{point} lives on another pipeline stage. Programs under pipeline parallelism "
-                "are not supported yet; declarative ops (interlace.ops) work on every stage"
-            )
         after = call.view._current or "the start of the step"
+        if point.kind.startswith("param:"):
+            return (
+                f"{_short(point.module)}.{point.kind[6:]} belongs to an earlier pipeline stage, and "
+                f"this program read it after {after}, which runs on a later stage. Read parameters "
+                "before the first access to a later layer's point (they are then carried along)"
+            )
         return (
             f"{point} was not reached after {after}: it comes earlier in the forward pass than the "
             "previous access (accesses within a step must follow the forward order), or it does "
@@ -422,6 +479,24 @@ class Interleaver:
 
 
 # --- helpers --------------------------------------------------------------------------------------
+
+
+def _gather(split, value: Any) -> Any:
+    """The full value under tensor parallelism (a module's tuple output: its first tensor)."""
+    if split is None:
+        return value
+    if isinstance(value, tuple):
+        return (split.gather(value[0]), *value[1:])
+    return split.gather(value)
+
+
+def _local(split, value: Any) -> Any:
+    """This rank's piece of a full value written by a program or an op."""
+    if split is None:
+        return value
+    if isinstance(value, tuple):
+        return (split.local(value[0]), *value[1:])
+    return split.local(value)
 
 
 def _group_sites(sites) -> list[list[OpSite]]:

@@ -50,9 +50,17 @@ class ModuleTree:
     driver fetched from the engine to check declarative ops before sending them)."""
 
     def __init__(self, model: nn.Module | None = None, names: list[str] | None = None):
-        self.modules: dict[str, nn.Module | None] = (
-            dict(model.named_modules()) if model is not None else dict.fromkeys(names or [])
-        )
+        """``model``: this rank's live model; ``names``: every module name of the whole model
+        (all pipeline stages). Modules another stage runs map to None, as do all with no model."""
+        self.modules: dict[str, nn.Module | None] = dict.fromkeys(names or [])
+        if model is not None:
+            self.modules.update(
+                (name, module) for name, module in model.named_modules()
+                if type(module).__name__ != "PPMissingLayer"  # a stand-in for another stage's module
+            )
+            for name, module in model.named_modules():
+                self.modules.setdefault(name, None)
+        self.local = {name for name, module in self.modules.items() if module is not None}
         self.final_norm = "model.norm" if "model.norm" in self.modules else None
         self.embeddings = next(
             (n for n in ("model.embed_tokens", "model.embed_in", "model.wte") if n in self.modules), None

@@ -7,7 +7,8 @@ points and builds a :class:`BatchLayout` per step.
       model forward pre-hook         begin_step(layout): rows are final once the forward starts
       ... module hooks ...
     sample_tokens(...)               end_step() once sampling is done (the last PP stage), or
-    execute_model returning a value  end_step() on stages that send activations onward
+    execute_model returning a value  end_step() on stages that send activations onward, whose
+                                     carry (see pipeline.py) rides along in IntermediateTensors
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import logging
 
 from interlace.workers.interleaver import PAYLOAD_KEY, Interleaver
 from interlace.workers.layout import layout_from_v1_runner, layout_from_v2_input_batch
+from interlace.workers.pipeline import pack, take_carry, unpack
 
 logger = logging.getLogger("interlace")
 
 
-def install(runner) -> Interleaver:
+def install(runner, all_modules: list[str]) -> Interleaver:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     rank = {
         "tp_rank": get_tp_group().rank_in_group,
+        "tp_size": get_tp_group().world_size,
         "pp_rank": get_pp_group().rank_in_group,
         "pp_size": get_pp_group().world_size,
     }
@@ -42,7 +45,7 @@ def install(runner) -> Interleaver:
         return result
 
     setattr(runner, sample_fn, sample_with_slot)
-    inter = Interleaver(runner.model, samples_slot, rank)
+    inter = Interleaver(runner.model, samples_slot, rank, all_modules, runner.model_config.get_hidden_size())
     captured = {}
 
     if is_v2:  # V2 builds a fresh InputBatch each step: keep the one the forward will use
@@ -64,17 +67,21 @@ def install(runner) -> Interleaver:
     state = {"in_step": False}
 
     @functools.wraps(original_execute)
-    def execute_model(scheduler_output, *args, **kwargs):
+    def execute_model(scheduler_output, intermediate_tensors=None, *args, **kwargs):
         _guard(inter, inter.finish, scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             payload = _payload(new)
             if payload is not None:
                 _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload)
         state["in_step"] = inter.active
-        output = original_execute(scheduler_output, *args, **kwargs)
+        if intermediate_tensors is not None and inter.active:  # an earlier stage's carry
+            inter.carry_in = _guard(inter, lambda: unpack(take_carry(intermediate_tensors.tensors))) or {}
+        output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
         if output is not None and state["in_step"]:
             state["in_step"] = False
-            _guard(inter, inter.end_step)
+            carry = _guard(inter, inter.end_step)
+            if carry and hasattr(output, "tensors"):  # IntermediateTensors for the next stage
+                output.tensors.update(_guard(inter, pack, carry, rank["tp_size"], inter.device) or {})
         return output
 
     @functools.wraps(original_sample)

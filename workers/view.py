@@ -33,9 +33,12 @@ class Node:
         object.__setattr__(self, "_view", view)
         object.__setattr__(self, "_path", path)
 
-    def __getattr__(self, name: str) -> "Node":
+    def __getattr__(self, name: str) -> "Node | torch.Tensor":
+        """A child module, or a parameter (``weight``, ``bias``) as the unsharded model has it."""
         if name.startswith("__"):
             raise AttributeError(name)
+        if self._view._is_parameter(self._path, name):
+            return self._view._parameter(self._path, name)
         return Node(self._view, self._view._resolve(f"{self._path}.{name}"))
 
     def __getitem__(self, index: int) -> "Node":
@@ -134,14 +137,16 @@ class ProgramView:
         per invoke). Saving one name at several steps concatenates tensors along dim 0, so a
         residual saved at every step is the whole sequence's residual; other values become a list.
         """
-        self._ctx.services.save(self._ctx, name, value)
+        if not self._call.replaying:  # an earlier pipeline stage made this save already
+            self._ctx.services.save(self._ctx, name, value)
 
     def share(self, name: str, value: Any, merge: str = "append") -> None:
         """Contribute to the trace-shared value ``name``; merged across invokes once all reported.
 
         ``merge``: "append" (a list in invoke order), "sum", "mean", "max", or "concat" / "concat:D".
         """
-        self._ctx.services.share(self._ctx, name, value, merge)
+        if not self._call.replaying:
+            self._ctx.services.share(self._ctx, name, value, merge)
 
     def send(self, name: str, value: Any) -> None:
         """Publish a value to the other invokes of this trace in this same step (see :meth:`recv`)."""
@@ -176,10 +181,16 @@ class ProgramView:
     def _resolve(self, path: str) -> str:
         return self._tree.resolve(path)
 
+    def _is_parameter(self, path: str, name: str) -> bool:
+        return self._ctx.services.is_parameter(path, name)
+
+    def _parameter(self, path: str, name: str) -> torch.Tensor:
+        return self._call.access(lambda: self._ctx.services.parameter(path, name, self._call))
+
     def _read(self, point: Point) -> Any:
         if point == self._current:
             return self._current_value
-        value = self._call.wait_at(point)
+        value = self._call.access(lambda: self._call.wait_at(point))
         object.__setattr__(self, "_current", point)
         object.__setattr__(self, "_current_value", value)
         object.__setattr__(self, "_pending_write", None)
