@@ -75,6 +75,11 @@ class ModelConfig(BaseModel):
             )
         return cls.model_validate(yaml.safe_load(bundled.read_text()))
 
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine (TP x PP)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def with_parallelism(self, tp: int = 1, pp: int = 1) -> "ModelConfig":
         return self.model_copy(update={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
 

@@ -47,8 +47,7 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
         worker_extension_cls=WORKER_EXTENSION,
         scheduler_cls=SCHEDULER,
     )
-    world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-    if world_size > 1:
+    if cfg.world_size > 1:
         kwargs["distributed_executor_backend"] = "mp"
     if settings.device() == "cpu":
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes or _CPU_KV_CACHE_BYTES
@@ -65,12 +64,10 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
 def prepare_environment(cfg: ModelConfig) -> None:
     """Set the process environment the engine's worker processes inherit."""
     if settings.device() == "cpu":
-        world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-        cores = os.sched_getaffinity(0)
-        ordered = sorted(cores)
+        ordered = sorted(os.sched_getaffinity(0))
         # One core per rank, round-robin: "0|1" for two ranks, "0|1|0|1" for four on two cores.
-        binding = "|".join(str(ordered[i % len(ordered)]) for i in range(world_size))
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding if world_size > 1 else "auto"
+        binding = "|".join(str(ordered[i % len(ordered)]) for i in range(cfg.world_size))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding if cfg.world_size > 1 else "auto"
     else:
         os.environ.update(_GPU_ENV)
 

@@ -293,4 +293,4 @@ def test_prefix_caching_never_skips_intervened_tokens(llama, oracles):
 def test_hooks_are_removed_after_traces(llama, oracles):
     ids = oracles["tiny-llama"].ids(PROMPT)
     llama.generate(ids, program=lambda m: m.save("x", m.layers[1].mlp.output), ops=[ops.zero("layers.2.resid")])
-    assert llama.engine.collective_rpc("interlace_installed_hooks") == [[]]
+    assert llama.engine.collective_rpc("interlace_installed_hooks") == [[]] * llama.config.world_size

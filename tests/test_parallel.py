@@ -1,4 +1,11 @@
-"""Tensor and pipeline parallel engines on CPU (multiprocessing backend), against transformers."""
+"""Tensor and pipeline parallelism on CPU (multiprocessing backend), against transformers.
+
+Every fidelity test of tests/test_interventions.py is collected again in this module and runs
+unchanged against TP=2, PP=2 and TP=2 x PP=2 engines of the tiny Llama: the fixtures below stand
+in for the single-rank engines. The tests after them cover what only parallelism has: values vLLM
+splits across TP ranks seen whole, parameters seen whole, a program that reads on one pipeline
+stage and writes on another, forced tokens reaching every stage, and failures on every rank.
+"""
 
 from __future__ import annotations
 
@@ -6,60 +13,145 @@ import pytest
 import torch
 
 import interlace
-from interlace import ops
+from test_interventions import *  # noqa: F403 - the runner's fidelity tests, collected again here
+from test_interventions import ATOL, PROMPT
 
-ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2  # GPU float32 matmuls run in TF32
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def parallel(request):
+def llama(request):
     tp, pp = LAYOUTS[request.param]
-    cfg = interlace.Model("tiny-llama").config.with_parallelism(tp=tp, pp=pp)
-    model = interlace.Model(cfg)
+    model = interlace.Model(interlace.Model("tiny-llama").config.with_parallelism(tp=tp, pp=pp))
     model.engine
     yield model
     model.close()
 
 
-def test_greedy_generation_matches_transformers(parallel, oracles):
+@pytest.fixture(scope="module")
+def any_model(llama):
+    return llama
+
+
+def test_greedy_generation_matches_transformers(llama, oracles):
     oracle = oracles["tiny-llama"]
     for prompt in ["The capital of France is", "One two three four"]:
         ids = oracle.ids(prompt)
-        out = parallel.generate(ids, max_tokens=8, ignore_eos=True)
-        assert out.token_ids == oracle.greedy(ids, 8)
+        assert llama.generate(ids, max_tokens=8, ignore_eos=True).token_ids == oracle.greedy(ids, 8)
 
 
-def test_ops_save_and_steer_match_transformers(parallel, oracles):
+def test_split_values_and_parameters_are_whole(llama, oracles):
+    """qkv_proj / gate_up_proj outputs and o_proj / down_proj inputs are split across TP ranks in
+    vLLM; programs see them whole, laid out as the unsharded model's merged projections."""
     oracle = oracles["tiny-llama"]
-    ids = oracle.ids("The capital of France is")
-    vector = torch.randn(128, generator=torch.Generator().manual_seed(3)) * 2
-    out = parallel.generate(ids, ops=[ops.save("layers.0.resid", steps=[0]), ops.save("layers.3.resid", steps=[0])])
-    ref = oracle.run(ids)["resid"]
-    torch.testing.assert_close(out.saves["layers.0.resid"], ref[0], atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(out.saves["layers.3.resid"], ref[3], atol=ATOL, rtol=ATOL)
-    expected = oracle.greedy(ids, 5, hooks={oracle.layers[1]: lambda o: o + vector})
-    steered = parallel.generate(ids, ops=[ops.add("layers.1.resid", vector)], max_tokens=5, ignore_eos=True)
-    assert steered.token_ids == expected
-
-
-def test_programs(parallel, oracles):
-    """TP: every rank runs the program on the same full residual stream; rank 0 reports.
-    PP: programs are refused with a message naming the reason (ops work, see above)."""
-    oracle = oracles["tiny-llama"]
-    ids = oracle.ids("The capital of France is")
-    vector = torch.randn(128, generator=torch.Generator().manual_seed(3)) * 2
+    ids = oracle.ids(PROMPT)
+    hf_attn, hf_mlp = oracle.layers[1].self_attn, oracle.layers[1].mlp
+    seen, handles = {}, []
+    for name, mod in [("q", hf_attn.q_proj), ("k", hf_attn.k_proj), ("v", hf_attn.v_proj),
+                      ("gate", hf_mlp.gate_proj), ("up", hf_mlp.up_proj)]:
+        handles.append(mod.register_forward_hook(lambda _m, _a, out, name=name: seen.__setitem__(name, out[0])))
+    for name, mod in [("o_in", hf_attn.o_proj), ("down_in", hf_mlp.down_proj)]:
+        handles.append(mod.register_forward_pre_hook(lambda _m, args, name=name: seen.__setitem__(name, args[0][0])))
+    try:
+        oracle.run(ids)
+    finally:
+        for h in handles:
+            h.remove()
 
     def program(m):
-        m.layers[1].resid += vector
-        m.save("resid2", m.layers[2].resid)
+        attn, mlp = m.layers[1].self_attn, m.layers[1].mlp
+        m.save("embed_rows", m.embed_tokens.weight[[5, 7]])
+        m.save("qkv", attn.qkv_proj.output[0])
+        m.save("o_in", attn.o_proj.input)
+        m.save("gate_up", mlp.gate_up_proj.output[0])
+        m.save("act_in", mlp.act_fn.input)
+        m.save("down_in", mlp.down_proj.input)
+        m.save("lm_head_rows", m.lm_head.weight[[5, 7]])
 
-    if parallel.config.pipeline_parallel_size > 1:
-        with pytest.raises(interlace.InterventionError, match="lives on another pipeline stage"):
-            parallel.generate(ids, program=program)
-        return
-    out = parallel.generate(ids, program=program, max_tokens=5, ignore_eos=True)
-    hooks = {oracle.layers[1]: lambda o: o + vector}
+    saves = llama.generate(ids, program=program, max_tokens=1).saves
+    close = lambda a, b: torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)  # noqa: E731
+    close(saves["qkv"], torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1))
+    close(saves["o_in"], seen["o_in"])
+    close(saves["gate_up"], torch.cat([seen["gate"], seen["up"]], dim=-1))
+    close(saves["act_in"], saves["gate_up"])
+    close(saves["down_in"], seen["down_in"])
+    embed = oracle.model.model.embed_tokens.weight[[5, 7]]
+    close(saves["embed_rows"], embed)
+    close(saves["lm_head_rows"], oracle.model.lm_head.weight[[5, 7]])
+
+
+def test_writes_to_split_values_reach_every_rank(llama, oracles):
+    """Zero the values (v) inside the merged qkv output and halve the MLP's up projection: each
+    rank must apply its own piece of the same edit."""
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def program(m):
+        qkv = m.layers[2].self_attn.qkv_proj.output[0]
+        qkv[:, 192:] = 0  # q: 128 features, k: 64, v: 64 (2 query heads, 1 kv head of 64)
+        m.layers[2].self_attn.qkv_proj.output = (qkv, None)
+        m.layers[2].mlp.gate_up_proj.output[0][:, 256:] *= 0.5  # an in-place edit of the copy
+
+    hooks = {oracle.layers[2].self_attn.v_proj: lambda o: o * 0, oracle.layers[2].mlp.up_proj: lambda o: o * 0.5}
+    out = llama.generate(ids, program=program, max_tokens=5, ignore_eos=True)
     assert out.token_ids == oracle.greedy(ids, 5, hooks=hooks)
-    expected = oracle.run(ids + out.token_ids[:-1], hooks=hooks)["resid"][2]
-    torch.testing.assert_close(out.saves["resid2"], expected, atol=ATOL, rtol=ATOL)
+
+
+def test_read_on_one_stage_write_on_another(llama, oracles):
+    """Layer 0 runs on the first pipeline stage and layer 3 on the last: the value read at
+    layer 0 is carried to the stage that writes layer 3, every step, and saved exactly once."""
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def program(m):
+        early = m.layers[0].resid
+        m.save("early", early)
+        m.layers[3].resid = m.layers[3].resid + 0.5 * early
+        m.save("late", m.layers[3].resid)
+
+    captured = {}
+
+    def remember(output):
+        captured["early"] = output[0] if isinstance(output, tuple) else output
+        return output
+
+    def add_early(output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        return hidden + 0.5 * captured["early"]
+
+    hooks = {oracle.layers[0]: remember, oracle.layers[3]: add_early}
+    out = llama.generate(ids, program=program, max_tokens=4, ignore_eos=True)
+    assert out.token_ids == oracle.greedy(ids, 4, hooks=hooks)
+    sequence = ids + out.token_ids[:-1]
+    reference = oracle.run(sequence, hooks=hooks)
+    assert out.saves["early"].shape == (len(sequence), 128)  # once per step, not once per stage
+    torch.testing.assert_close(out.saves["early"], reference["resid"][0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(out.saves["late"], reference["resid"][3], atol=ATOL, rtol=ATOL)
+
+
+def test_forced_tokens_reach_every_stage(llama, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def force(m):
+        if m.step == 1:
+            m.samples = torch.tensor([42])
+
+    out = llama.generate(ids, program=force, max_tokens=5, ignore_eos=True)
+    assert out.token_ids[1] == 42
+    assert out.token_ids[2:] == oracle.greedy(ids + out.token_ids[:2], 3)  # continued from 42
+
+
+def test_data_dependent_failure_fails_on_every_rank_and_engine_serves(llama, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def program(m):
+        gathered = m.layers[1].self_attn.qkv_proj.output[0]  # a collective under TP
+        if gathered.abs().sum() > 0:  # same value on every rank: same branch, no deadlock
+            late = m.layers[3].resid
+            raise ValueError(f"branch taken at step {m.step} with {tuple(late.shape)}")
+
+    with pytest.raises(interlace.InterventionError, match="branch taken at step 0"):
+        llama.generate(ids, program=program, max_tokens=3)
+    assert llama.generate(ids, max_tokens=4, ignore_eos=True).token_ids == oracle.greedy(ids, 4)
