@@ -1,9 +1,8 @@
-"""Runner benchmark: interlace against plain vLLM, in one process and one run.
+"""Runner benchmark: interlace against plain vLLM, in one process and one run, paired.
 
 Llama-3.2-1B-shaped model with random bf16 weights (no download), N prompts x IN tokens, OUT
 generated tokens each, greedy, eager mode (forward hooks need it). Cases:
 
-    plain            vllm.LLM with the same settings, no interlace at all (the baseline)
     none             the interlace engine, requests without interventions
     ops-save4        declarative: save the last token's residual at 4 layers, every step
     ops-steer1       declarative: add a steering vector at 1 layer, every step
@@ -11,23 +10,26 @@ generated tokens each, greedy, eager mode (forward hooks need it). Cases:
     prog-steer1      the same as a batched Python program
     prog-steer1-each the steering program unbatched: one program call per invoke per step
 
-Usage (GPU machine): python bench/runner_bench.py [--n 256] [--in 128] [--out 128] [--cases a,b]
-Prints one JSON line per case, then a table of output tokens/s and the ratio to plain.
+Both engines stay up side by side (a plain ``vllm.LLM`` and an interlace model with the same
+settings); every timed interlace run is paired with a plain run just before it, and a case's figure
+is the median of its paired ratios (interlace tok/s / plain tok/s). Pairing cancels the machine's
+drift, which between separate runs was larger than the effects measured.
+
+Usage: python bench/runner_bench.py [--n 256] [--in 128] [--out 128] [--tp 1] [--pp 1]
+       [--cases a,b] [--repeats 3] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
+Prints one JSON line per pair, then a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
+import statistics
 import time
 
 MODEL_DIR = "/tmp/interlace-bench-llama1b"
-SAVE_LAYERS = [3, 7, 11, 15]
-STEER_LAYER = 8
-REPEATS = 2  # each case timed twice, best kept; both runs are printed
 
 
 def make_model_dir(path: str) -> None:
@@ -48,101 +50,87 @@ def make_model_dir(path: str) -> None:
                 bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", tie_word_embeddings=True).save_pretrained(path)
 
 
-ENGINE_ARGS = dict(load_format="dummy", gpu_memory_utilization=0.5)
+ENGINE_ARGS = dict(load_format="dummy", gpu_memory_utilization=0.35)  # two engines share the GPU
 
 
-def prompts(n: int, length: int) -> list[list[int]]:
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(n)]
-
-
-def bench_plain(args, data) -> dict:
-    from vllm import LLM, SamplingParams
-
-    from interlace.cluster.engine import engine_args, prepare_environment
-
-    cfg = config(args)
-    prepare_environment(cfg)
-    kwargs = engine_args(cfg)
-    kwargs.pop("worker_extension_cls")  # plain vLLM: no interlace in the workers or scheduler
-    kwargs.pop("scheduler_cls")
-    llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=args.out, ignore_eos=True, temperature=0)
-    llm.generate([{"prompt_token_ids": p} for p in data], params, use_tqdm=False)  # warm-up, full size:
-    runs = []  # Triton kernels JIT-compile per batch shape on first use
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p} for p in data], params, use_tqdm=False)
-        runs.append(time.perf_counter() - started)
-    print(json.dumps({"case": "plain-runs", "seconds": runs}), flush=True)
-    seconds = min(runs)
-    tokens = sum(len(o.outputs[0].token_ids) for o in out)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    return {"case": "plain", "seconds": seconds, "tokens": tokens}
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def config(args):
     from interlace.cluster.config import ModelConfig
 
-    return ModelConfig(name="llama-1b-shape", source=MODEL_DIR, dtype="bfloat16", max_model_len=1024,
-                       tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, engine_args=ENGINE_ARGS)
+    if args.tiny:
+        base = ModelConfig.load("tiny-llama")
+    else:
+        base = ModelConfig(name="llama-1b-shape", source=MODEL_DIR, dtype="bfloat16", max_model_len=1024,
+                           engine_args=ENGINE_ARGS)
+    return base.model_copy(update={"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp})
 
 
-def interlace_cases(hidden: int):
+def plain_engine(cfg):
+    """vLLM with the same settings and no interlace at all (no worker extension, its scheduler)."""
+    from vllm import LLM
+
+    from interlace.cluster.engine import engine_args, prepare_environment
+
+    prepare_environment(cfg)
+    kwargs = engine_args(cfg)
+    kwargs.pop("worker_extension_cls")
+    kwargs.pop("scheduler_cls")
+    return LLM(**kwargs)
+
+
+def interlace_cases(hidden: int, layers: int):
     import torch
 
     import interlace
     from interlace import ops
 
+    save_layers = [layers * (i + 1) // 4 - 1 for i in range(4)]  # 3, 7, 11, 15 on 16 layers
+    steer_layer = layers // 2
     vector = torch.randn(hidden, dtype=torch.bfloat16) * 0.01
 
     @interlace.batched
     def save4(m):
-        for layer in SAVE_LAYERS:
+        for layer in save_layers:
             m.save(f"l{layer}", m.last(m.layers[layer].resid))
 
     @interlace.batched
     def steer1(m):
-        m.layers[STEER_LAYER].resid += vector
+        m.layers[steer_layer].resid += vector
 
     def steer1_each(m):
-        m.layers[STEER_LAYER].resid += vector
+        m.layers[steer_layer].resid += vector
 
     return {
         "none": {},
-        "ops-save4": {"ops": [ops.save(f"layers.{layer}.resid", tokens="last") for layer in SAVE_LAYERS]},
-        "ops-steer1": {"ops": [ops.add(f"layers.{STEER_LAYER}.resid", vector)]},
+        "ops-save4": {"ops": [ops.save(f"layers.{layer}.resid", tokens="last") for layer in save_layers]},
+        "ops-steer1": {"ops": [ops.add(f"layers.{steer_layer}.resid", vector)]},
         "prog-save4": {"program": save4},
         "prog-steer1": {"program": steer1},
         "prog-steer1-each": {"program": steer1_each},
     }
 
 
-def bench_interlace(args, data, names: list[str], label: str = "", **overrides) -> list[dict]:
-    import interlace
+def run_plain(llm, data, out: int) -> tuple[float, int]:
+    from vllm import SamplingParams
 
-    results = []
-    with interlace.Model(config(args), **overrides) as model:
-        cases = interlace_cases(2048)
-        with model.trace(max_tokens=args.out, ignore_eos=True) as tr:  # warm-up, full size
-            for p in data:
-                tr.invoke(p, **cases["ops-steer1"])
-        for name in names:
-            runs = []
-            for _ in range(REPEATS):
-                started = time.perf_counter()
-                with model.trace(max_tokens=args.out, ignore_eos=True, timeout_s=3600) as tr:
-                    for p in data:
-                        tr.invoke(p, **cases[name])
-                runs.append(time.perf_counter() - started)
-            seconds = min(runs)
-            tokens = sum(len(r.token_ids) for r in tr.result)
-            saved = sum(v.numel() * v.element_size() for r in tr.result for v in r.saves.values())
-            results.append({"case": name + label, "seconds": seconds, "runs": runs, "tokens": tokens, "saved_mib": round(saved / 2**20, 1)})
-            print(json.dumps(results[-1]), flush=True)
-    return results
+    params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)
+    started = time.perf_counter()
+    result = llm.generate([{"prompt_token_ids": p} for p in data], params, use_tqdm=False)
+    return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in result)
+
+
+def run_interlace(model, data, out: int, case: dict) -> tuple[float, int, float]:
+    started = time.perf_counter()
+    with model.trace(max_tokens=out, ignore_eos=True, timeout_s=3600) as tr:
+        for p in data:
+            tr.invoke(p, **case)
+    seconds = time.perf_counter() - started
+    saved = sum(v.numel() * v.element_size() for r in tr.result for v in r.saves.values())
+    return seconds, sum(len(r.token_ids) for r in tr.result), saved / 2**20
 
 
 def main() -> None:
@@ -152,24 +140,44 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="timed pairs per case")
+    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1,prog-save4,prog-steer1,prog-steer1-each")
-    parser.add_argument("--no-gang-cases", default="", help="cases to repeat on an engine without "
-                        "interlace's gang scheduler (vLLM's own), to isolate its cost")
     args = parser.parse_args()
 
-    make_model_dir(MODEL_DIR)
-    data = prompts(args.n, args.inp)
-    plain = bench_plain(args, data)
-    print(json.dumps(plain), flush=True)
-    rows = [plain] + bench_interlace(args, data, args.cases.split(","))
-    if args.no_gang_cases:
-        rows += bench_interlace(args, data, args.no_gang_cases.split(","), label=" (no gang)", scheduler_cls=None)
-    base = plain["tokens"] / plain["seconds"]
-    print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, TP={args.tp} PP={args.pp}, eager, bf16")
-    print(f"{'case':18} {'out tok/s':>10} {'x plain':>8}")
-    for row in rows:
-        rate = row["tokens"] / row["seconds"]
-        print(f"{row['case']:18} {rate:10.0f} {rate / base:8.2f}")
+    import interlace
+
+    if not args.tiny:
+        make_model_dir(MODEL_DIR)
+    cfg = config(args)
+    plain = plain_engine(cfg)
+    model = interlace.Model(cfg)
+    hf = plain.llm_engine.model_config.hf_config
+    cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
+    data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
+    run_plain(plain, data, args.out)  # warm-ups at full size: kernels compile per batch shape
+    run_interlace(model, data, args.out, cases["ops-steer1"])
+
+    table = []
+    for name in args.cases.split(","):
+        ratios, plain_rates = [], []
+        for _ in range(args.repeats):
+            p_seconds, p_tokens = run_plain(plain, data, args.out)
+            i_seconds, i_tokens, saved_mib = run_interlace(model, data, args.out, cases[name])
+            plain_rates.append(p_tokens / p_seconds)
+            ratios.append((i_tokens / i_seconds) / plain_rates[-1])
+            print(json.dumps({"case": name, "plain_s": round(p_seconds, 3), "interlace_s": round(i_seconds, 3),
+                              "tokens": i_tokens, "ratio": round(ratios[-1], 3), "saved_mib": round(saved_mib, 1)}),
+                  flush=True)
+        table.append((name, statistics.median(plain_rates), statistics.median(ratios), min(ratios), max(ratios)))
+
+    where = f"TP={args.tp} PP={args.pp}, eager, {cfg.dtype}, {cfg.name}"
+    print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {where}; {args.repeats} pairs per case")
+    print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'min':>6} {'max':>6}")
+    for name, rate, median, low, high in table:
+        print(f"{name:18} {rate:12.0f} {median:17.2f} {low:6.2f} {high:6.2f}")
+    model.close()
+    plain.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":

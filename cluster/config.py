@@ -6,7 +6,7 @@ models, so a setting means the same thing everywhere.
     >>> from interlace.cluster.config import ModelConfig
     >>> cfg = ModelConfig.load("tiny-llama")                 # a bundled config, by name
     >>> cfg = ModelConfig.load("configs/models/mine.yaml")   # or any YAML file
-    >>> cfg.with_parallelism(tp=2).tensor_parallel_size
+    >>> cfg.model_copy(update={"tensor_parallel_size": 2}).world_size
     2
 """
 
@@ -79,9 +79,6 @@ class ModelConfig(BaseModel):
     def world_size(self) -> int:
         """Worker ranks of one engine (TP x PP)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def with_parallelism(self, tp: int = 1, pp: int = 1) -> "ModelConfig":
-        return self.model_copy(update={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
 
     def checkpoint_path(self) -> str:
         """The folder vLLM and transformers load; builds an embedded model on first use."""

@@ -51,11 +51,19 @@ _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation
 
 
 class Model:
-    """A model served by a local vLLM engine (started on first use)."""
+    """A model served by a local vLLM engine (started on first use).
 
-    def __init__(self, config: str | Path | ModelConfig = "tiny-llama", **engine_overrides: Any):
-        self.config = config if isinstance(config, ModelConfig) else ModelConfig.load(config)
-        self.engine_overrides = engine_overrides
+    Keyword arguments override the config's fields (``tensor_parallel_size=2``,
+    ``pipeline_parallel_size=2``, ``dtype``...) or, for anything else, vLLM's engine arguments::
+
+        >>> model = interlace.Model("tiny-llama", tensor_parallel_size=2, max_num_seqs=64)
+    """
+
+    def __init__(self, config: str | Path | ModelConfig = "tiny-llama", **overrides: Any):
+        config = config if isinstance(config, ModelConfig) else ModelConfig.load(config)
+        fields = {k: overrides.pop(k) for k in list(overrides) if k in ModelConfig.model_fields}
+        self.config = ModelConfig.model_validate({**config.model_dump(), **fields}) if fields else config
+        self.engine_overrides = overrides
         self._engine = None
         self._tree: ModuleTree | None = None
         self._lock = threading.Lock()

@@ -22,7 +22,7 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def llama(request):
     tp, pp = LAYOUTS[request.param]
-    model = interlace.Model(interlace.Model("tiny-llama").config.with_parallelism(tp=tp, pp=pp))
+    model = interlace.Model("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp)
     model.engine
     yield model
     model.close()
