@@ -43,7 +43,7 @@ from interlace.trace import (
     new_trace_id,
 )
 from interlace.workers.points import ModuleTree
-from interlace.workers.scheduler import GANG_KEY
+from interlace.workers.scheduler import GANG_KEY, WHOLE_PROMPT_KEY
 from interlace.workers.sink import report_name
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
@@ -148,6 +148,8 @@ class Model:
                 # which its hooks must see; plain requests keep the cache.
                 prompt["cache_salt"] = f"interlace-{trace_id}-{index}"
                 extra = {"interlace": payload, GANG_KEY: [trace_id, index, gang_size]}
+                if inv.program is not None and (inv.steps is None or 0 in inv.steps):
+                    extra[WHOLE_PROMPT_KEY] = True  # the program sees the prompt at once
             prompts.append(prompt)
             params.append(SamplingParams(**trace.settings, extra_args=extra))
         with self._lock:

@@ -1,7 +1,8 @@
 """Chunked prefill: long prompts split across scheduler steps.
 
 Declarative ops are row-wise, so they stay exact across chunks. A program sees step 0 once, with
-the whole prompt, which a split prompt cannot give it: it fails with a message naming the fix.
+the whole prompt: the scheduler keeps program prompts whole when they fit the token budget, and a
+prompt longer than the whole budget fails the program with a message naming the fix.
 """
 
 from __future__ import annotations
@@ -57,3 +58,17 @@ def test_program_on_a_prompt_that_fits_works(chunked, oracles):
     ids = oracle.ids("The capital of France is")
     out = chunked.generate(ids, program=lambda m: m.save("x", m.layers[1].resid))
     torch.testing.assert_close(out.saves["x"], oracle.run(ids)["resid"][1], atol=ATOL, rtol=ATOL)
+
+
+def test_program_prompts_sharing_the_budget_are_not_split(chunked, oracles):
+    """Three 20-token prompts under a 32-token budget: vLLM would split the second one across
+    steps; the scheduler runs each whole in its own step instead."""
+    oracle = oracles["tiny-llama"]
+    prompts = [oracle.ids(f"Prompt number {i} talks about steering vectors and residual streams")[:20]
+               for i in range(3)]
+    with chunked.trace(max_tokens=2) as tr:
+        for ids in prompts:
+            tr.invoke(ids, program=lambda m: m.save("x", m.layers[1].resid) if m.step == 0 else None)
+    for ids, result in zip(prompts, tr.result):
+        assert len(ids) == 20
+        torch.testing.assert_close(result.saves["x"], oracle.run(ids)["resid"][1], atol=ATOL, rtol=ATOL)

@@ -7,6 +7,13 @@ core process) holds each intervened request until every intervened invoke of its
 then queues them together in invoke order: they share a step whenever the token budget allows
 (``max_num_batched_tokens``, ``max_num_seqs``). Plain requests pass straight through.
 
+It also keeps whole the prompts of requests whose program runs at step 0 (a program sees the
+whole prompt at once): while such a request waits, chunked prefill is off for that scheduling
+pass, so a prompt that does not fit the step's remaining token budget waits for the next step
+instead of being split. This is skipped while any waiting prompt exceeds the whole budget (it
+could never be admitted unsplit and would block the queue); a program prompt that is split
+anyway fails with a message naming the fix.
+
 Selected with ``scheduler_cls="interlace.workers.scheduler.make_scheduler"``; it subclasses
 whichever scheduler vLLM would have used (async scheduling keeps working).
 """
@@ -14,10 +21,31 @@ whichever scheduler vLLM would have used (async scheduling keeps working).
 from __future__ import annotations
 
 GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, intervened invokes]
+WHOLE_PROMPT_KEY = "interlace_whole_prompt"  # extra_args[WHOLE_PROMPT_KEY] = True: do not split
 
 
 class GangAdmission:
-    """Mixed into vLLM's Scheduler: holds requests until their trace's gang is complete."""
+    """Mixed into vLLM's Scheduler: holds requests until their trace's gang is complete, and
+    keeps program prompts whole."""
+
+    def schedule(self, *args, **kwargs):
+        config = self.scheduler_config
+        if not config.enable_chunked_prefill or not self._interlace_keep_whole():
+            return super().schedule(*args, **kwargs)
+        config.enable_chunked_prefill = False  # read by vLLM only while admitting waiting requests
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            config.enable_chunked_prefill = True
+
+    def _interlace_keep_whole(self) -> bool:
+        budget = self.scheduler_config.max_num_batched_tokens
+        wanted = False
+        for request in self.waiting:
+            if request.num_tokens > budget:
+                return False
+            wanted = wanted or _extra(request).get(WHOLE_PROMPT_KEY, False)
+        return wanted
 
     def add_request(self, request) -> None:
         gang = _gang(request)
@@ -44,10 +72,13 @@ class GangAdmission:
             super().add_request(request)
 
 
-def _gang(request):
+def _extra(request) -> dict:
     params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) if params is not None else None
-    return extra.get(GANG_KEY) if extra else None
+    return (getattr(params, "extra_args", None) if params is not None else None) or {}
+
+
+def _gang(request):
+    return _extra(request).get(GANG_KEY)
 
 
 _CLASSES: dict[type, type] = {}
