@@ -44,7 +44,7 @@ from interlace.trace import (
 )
 from interlace.workers.points import ModuleTree
 from interlace.workers.scheduler import GANG_KEY, WHOLE_PROMPT_KEY
-from interlace.workers.sink import report_name
+from interlace.workers.sink import read_new_reports
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
 _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
@@ -158,22 +158,25 @@ class Model:
         return _assemble(trace.invokes, outputs, reports)
 
     def _collect(self, trace_id: str, intervened: list[int]) -> dict[int, list[dict]]:
-        import torch
-
-        stages = self.config.pipeline_parallel_size
+        """Every intervened invoke's report from every pipeline stage, by invoke."""
         folder = self._sink_root / trace_id
-        wanted = {(i, s): folder / report_name(i, s) for i in intervened for s in range(stages)}
+        wanted = {(i, s) for i in intervened for s in range(self.config.pipeline_parallel_size)}
+        reports: dict[int, list[dict]] = {}
+        seen_files: set[str] = set()
         deadline = time.monotonic() + _REPORT_GRACE_S
-        while not all(p.exists() for p in wanted.values()):
+        while wanted:
+            for report in read_new_reports(folder, seen_files):
+                wanted.discard((report["invoke"], report["stage"]))
+                reports.setdefault(report["invoke"], []).append(report)
+            if not wanted:
+                break
             if time.monotonic() > deadline:
-                missing = sorted(k for k, p in wanted.items() if not p.exists())
-                raise RuntimeError(f"trace {trace_id}: no report from (invoke, stage) {missing} "
+                raise RuntimeError(f"trace {trace_id}: no report from (invoke, stage) {sorted(wanted)} "
                                    f"within {_REPORT_GRACE_S:.0f}s; a worker may have died")
             time.sleep(0.002)
-        reports: dict[int, list[dict]] = {}
-        for (invoke, _stage), path in sorted(wanted.items()):
-            reports.setdefault(invoke, []).append(torch.load(path, weights_only=False))
         shutil.rmtree(folder, ignore_errors=True)
+        for invoke_reports in reports.values():
+            invoke_reports.sort(key=lambda r: r["stage"])
         return reports
 
 
@@ -217,7 +220,13 @@ def _assemble(invokes: list[Invoke], outputs, reports: dict[int, list[dict]]) ->
     for index, (inv, out) in enumerate(zip(invokes, outputs)):
         completion = out.outputs[0]
         saves: dict[str, Any] = {}
-        for report in reports.get(index, []):  # one per pipeline stage
+        for report in reports.get(index, []):  # one per pipeline stage, in stage order
+            twice = saves.keys() & report["saves"].keys()
+            if twice and first_error is None:  # their order across steps is lost between stages
+                first_error = (index, {
+                    "type": "ValueError", "where": f"merging pipeline stage {report['stage']}", "traceback": "",
+                    "message": f"saves {sorted(twice)} were made on more than one pipeline stage; "
+                               "give the values saved on different stages different names"})
             saves.update(report["saves"])
             contributions += [(index, name, how, value) for name, how, value in report["shared"]]
             if report["error"] is not None and first_error is None:

@@ -23,10 +23,10 @@ import torch
 from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
-from interlace.workers.ops import OpSite, apply as apply_op, select_rows
+from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
 from interlace.workers.pipeline import EARLIER, HERE, LATER, Carried, StageMap
 from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, _short
-from interlace.workers.saves import DeferredCopy, SavedRows, combine_steps
+from interlace.workers.saves import DeferredCopy, SavedRows, assemble_saves
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
@@ -55,6 +55,7 @@ class InvokeState:
     error: dict | None = None
     save_bytes: int = 0
     next_position: int = 0  # where the next scheduled chunk must start; less means recomputation
+    scheduled: tuple = ()  # this step: (layout index, start row, stop row, first position, final chunk, step)
 
     def fail(self, record: dict) -> None:
         if self.error is None:
@@ -89,7 +90,7 @@ class Step:
 
     layout: BatchLayout
     calls: list[tuple[ProgramCall, CallContext]]
-    ops: dict[Point, list[OpSite]]  # ops to apply at each point this step
+    ops: dict[Point, list[StepOp]]  # ops to apply at each point this step, in order
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
     carry: dict[tuple, Carried] = field(default_factory=dict)  # for the next pipeline stage
 
@@ -107,6 +108,7 @@ class Interleaver:
         self.step: Step | None = None
         self.carry_in: dict[tuple, Carried] = {}  # from the previous pipeline stage, this step
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
+        self.op_plans: dict[str, OpPlan] = {}  # op key -> the op and the invokes carrying it
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self.device = next(model.parameters()).device
 
@@ -146,39 +148,44 @@ class Interleaver:
         for op in state.ops:
             if "_point" in op and self.stages.where(op["_point"]) == HERE:  # other stages apply theirs
                 self.hooks.want(op["_point"], owner=req_id)
+                self.op_plans.setdefault(op.get("key", str(id(op))), OpPlan(op)).members.append(state)
 
     def finish(self, req_ids) -> None:
-        for req_id in req_ids:
-            state = self.invokes.pop(req_id, None)
-            if state is None:
-                continue
-            self.hooks.release(owner=req_id)
-            if self.rank["tp_rank"] == 0:  # one report per TP group; every PP stage reports
-                self._report(state)
+        finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
+        for state in finished:
+            self.hooks.release(owner=state.req_id)
+        if finished and self.op_plans:
+            gone = {id(state) for state in finished}
+            for key, plan in list(self.op_plans.items()):
+                plan.members = [m for m in plan.members if id(m) not in gone]
+                if not plan.members:
+                    del self.op_plans[key]
+        if finished and self.rank["tp_rank"] == 0:  # one report per TP group; every PP stage reports
+            self._report(finished)
         if not self.invokes:
             self._programs.clear()
 
-    def _report(self, state: InvokeState) -> None:
-        report = {
-            "trace": state.trace,
-            "invoke": state.invoke,
-            "stage": self.rank["pp_rank"],
-            "saves": {name: combine_steps([v.value() if isinstance(v, SavedRows) else v for v in values])
-                      for name, values in state.saves.items()},
-            "shared": state.shared,
-            "error": state.error,
-        }
-        try:
-            open_sink(state.sink).write(state.trace, state.invoke, self.rank["pp_rank"], report)
-        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable save: report that instead
-            report.update(saves={}, shared=[], error=error_record(exc, where="reporting results"))
-            open_sink(state.sink).write(state.trace, state.invoke, self.rank["pp_rank"], report)
+    def _report(self, finished: list[InvokeState]) -> None:
+        """Write the finished invokes' reports, one batch per (sink, trace)."""
+        batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
+        for state in finished:
+            batches[(state.sink, state.trace)].append(state)
+        stage = self.rank["pp_rank"]
+        for (sink, trace), states in batches.items():
+            try:
+                saves = assemble_saves([state.saves for state in states])
+                reports = [_report_of(state, stage, s) for state, s in zip(states, saves)]
+                open_sink(sink).write(trace, stage, reports)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable save: report that instead
+                record = error_record(exc, where="reporting results")
+                open_sink(sink).write(trace, stage, [_report_of(state, stage, {}, record) for state in states])
 
     # --- per step ------------------------------------------------------------------------------
 
     def begin_step(self, layout: BatchLayout) -> None:
         groups: dict[tuple[str, int], list[tuple[int, InvokeState, int, int, int]]] = defaultdict(list)
-        ops: dict[Point, list[OpSite]] = defaultdict(list)
+        for state in self.invokes.values():
+            state.scheduled = ()
         for i, req_id in enumerate(layout.req_ids):
             state = self.invokes.get(req_id)
             if state is None or state.error is not None:
@@ -195,16 +202,7 @@ class Interleaver:
             state.next_position = end
             final_chunk = end >= state.prompt_len
             prog_step = max(0, end - state.prompt_len)
-            for op in state.ops:
-                if op.get("steps") is not None and prog_step not in op["steps"]:
-                    continue
-                point = op["_point"]
-                if point.kind in ROW_PER_REQUEST_KINDS:
-                    rows = [i] if final_chunk else []
-                else:
-                    rows = select_rows(op, start, stop, first, final_chunk)
-                if rows:
-                    ops[point].append(OpSite(state, op, rows))
+            state.scheduled = (i, start, stop, first, final_chunk, prog_step)
             if state.program is None or (state.steps is not None and prog_step not in state.steps):
                 continue
             if not final_chunk or (prog_step == 0 and first > 0):
@@ -215,6 +213,11 @@ class Interleaver:
                     "declarative ops, which handle chunks exactly"), where="step 0"))
                 continue
             groups[(state.group_key, prog_step)].append((i, state, start, stop, first))
+        ops: dict[Point, list[StepOp]] = defaultdict(list)
+        for plan in self.op_plans.values():  # one list comprehension per op, not a call per invoke
+            step_op = plan.for_step()
+            if step_op is not None:
+                ops[plan.point].append(step_op)
         self.step = Step(layout, [], ops)
         carry_in, self.carry_in = self.carry_in, {}
         for (group_key, prog_step), members in groups.items():
@@ -292,9 +295,10 @@ class Interleaver:
             record = error_record(exc, where=f"interlace internals at {module or family}")
             for call, ctx in step.calls:
                 call.error = call.error or record
-            for sites in step.ops.values():
-                for site in sites:
-                    site.invoke.fail(record)
+            for step_ops in step.ops.values():
+                for step_op in step_ops:
+                    for inv in step_op.invokes:
+                        inv.fail(record)
             return hooked
 
     def _dispatch(self, step: Step, module: str, family: str, hooked: Any) -> Any:
@@ -302,8 +306,8 @@ class Interleaver:
         access = PointAccess(hooked, step.layout)
         for kind in kinds:
             point = Point(module, kind)
-            for site_group in _group_sites(step.ops.get(point, ())):
-                self._apply_ops(point, access, site_group)
+            for step_op in step.ops.get(point, ()):
+                self._apply_op(point, access, step_op)
         while True:
             ready = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.module == module
                      and c.waiting_for.kind in kinds]
@@ -315,23 +319,19 @@ class Interleaver:
                     self._pump(step)
         return access.result()
 
-    def _apply_ops(self, point: Point, access: PointAccess, sites: list[OpSite]) -> None:
-        op = sites[0].op
-        rows = Rows.at([r for s in sites for r in s.rows], access.device)
+    def _apply_op(self, point: Point, access: PointAccess, step_op: StepOp) -> None:
+        op = step_op.op
+        rows = Rows.at(step_op.rows, access.device)
         split = self.tp.split(point.module, point.kind)
         try:
             value = _gather(split, access.read(point, rows))
             if op["op"] == "save":
-                ranges, offset = [], 0
-                for site in sites:
-                    ranges.append((offset, offset + len(site.rows)))
-                    offset += len(site.rows)
-                self._save_rows([s.invoke for s in sites], op.get("name") or op["point"], value, ranges)
+                self._save_rows(step_op.invokes, op.get("name") or op["point"], value, step_op.ranges)
             else:
                 access.write(point, rows, _local(split, apply_op(op, value)))
         except Exception as exc:  # noqa: BLE001
-            for site in sites:
-                site.invoke.fail(error_record(exc, where=f"op {op['op']} at {point}"))
+            for inv in step_op.invokes:
+                inv.fail(error_record(exc, where=f"op {op['op']} at {point}"))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
         split = self.tp.split(point.module, point.kind)
@@ -481,6 +481,17 @@ class Interleaver:
 # --- helpers --------------------------------------------------------------------------------------
 
 
+def _report_of(state: InvokeState, stage: int, saves: dict, error: dict | None = None) -> dict:
+    return {
+        "trace": state.trace,
+        "invoke": state.invoke,
+        "stage": stage,
+        "saves": saves,
+        "shared": state.shared if error is None else [],
+        "error": state.error or error,
+    }
+
+
 def _gather(split, value: Any) -> Any:
     """The full value under tensor parallelism (a module's tuple output: its first tensor)."""
     if split is None:
@@ -497,14 +508,6 @@ def _local(split, value: Any) -> Any:
     if isinstance(value, tuple):
         return (split.local(value[0]), *value[1:])
     return split.local(value)
-
-
-def _group_sites(sites) -> list[list[OpSite]]:
-    """Sites carrying the same op object (a sweep's shared op) form one batched operation."""
-    groups: dict[int, list[OpSite]] = {}
-    for site in sites:
-        groups.setdefault(site.op.get("key", id(site.op)), []).append(site)
-    return list(groups.values())
 
 
 def _split_ranges(ctx: CallContext, value: torch.Tensor, what: str) -> list[tuple[int, int]]:

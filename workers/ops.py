@@ -11,21 +11,61 @@ steering one layer costs one ``index_add`` per step, not 256 Python calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
+
+from interlace.workers.points import ROW_PER_REQUEST_KINDS
 
 OP_KINDS = ("save", "add", "scale", "replace", "zero")
 
 
 @dataclass
-class OpSite:
-    """One op for one invoke at one step: which of the point's rows it touches."""
+class StepOp:
+    """One op at one step, for every invoke that carries it: one tensor operation."""
 
-    invoke: Any  # the interleaver's InvokeState
     op: dict
-    rows: list[int]  # absolute rows in the point's tensor (token rows, or the request's logits row)
+    invokes: list  # the interleaver's InvokeStates, in batch order
+    rows: list[int]  # absolute rows of the point's tensor (token rows, or requests' logits rows)
+    ranges: list[tuple[int, int]]  # each invoke's rows within the gathered value (for saves)
+
+
+@dataclass
+class OpPlan:
+    """An op (by content key) and the live invokes carrying it; a sweep shares one plan."""
+
+    op: dict
+    members: list = field(default_factory=list)
+
+    @property
+    def point(self):
+        return self.op["_point"]
+
+    def for_step(self) -> StepOp | None:
+        """This step's rows, from each member's ``scheduled`` facts (set by begin_step)."""
+        steps = self.op.get("steps")
+        members = sorted(
+            (m for m in self.members if m.scheduled and m.error is None
+             and (steps is None or m.scheduled[5] in steps)),
+            key=lambda m: m.scheduled[0],
+        )
+        tokens = self.op.get("tokens", "all")
+        if self.point.kind in ROW_PER_REQUEST_KINDS:  # one row per request, once its prompt is done
+            members = [m for m in members if m.scheduled[4]]
+            per_invoke = [[m.scheduled[0]] for m in members]
+        elif tokens == "last":
+            members = [m for m in members if m.scheduled[4]]
+            per_invoke = [[m.scheduled[2] - 1] for m in members]
+        else:
+            per_invoke = [select_rows(self.op, *m.scheduled[1:5]) for m in members]
+            members, per_invoke = [m for m, r in zip(members, per_invoke) if r], [r for r in per_invoke if r]
+        if not members:
+            return None
+        rows, ranges = [], []
+        for r in per_invoke:
+            ranges.append((len(rows), len(rows) + len(r)))
+            rows += r
+        return StepOp(self.op, members, rows, ranges)
 
 
 def select_rows(op: dict, start: int, stop: int, first_position: int, final_chunk: bool) -> list[int]:

@@ -1,8 +1,9 @@
-"""Report sinks: where a rank sends each finished invoke's saves, shared values and errors.
+"""Report sinks: where a rank sends finished invokes' saves, shared values and errors.
 
 Reports bypass vLLM's engine-core process, so large tensors never travel through it. For a single
-local engine the sink is a folder (``dir:/path``): one file per (trace, invoke, stage), written
-atomically; the driver collects them. The cluster's collector actor is another sink kind.
+local engine the sink is a folder (``dir:/path``): one file per batch of invokes a rank reported
+together (a trace's invokes usually finish in the same step), written atomically; the driver
+reads them as they appear. The cluster's collector actor is another sink kind.
 """
 
 from __future__ import annotations
@@ -18,17 +19,25 @@ class DirSink:
     def __init__(self, root: str):
         self.root = Path(root)
 
-    def write(self, trace: str, invoke: int, stage: int, report: dict) -> None:
+    def write(self, trace: str, stage: int, reports: list[dict]) -> None:
+        """One file per batch: ``<trace>/<stage>-<first invoke>.pt`` is unique because a stage
+        reports each invoke once."""
         folder = self.root / trace
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
         with os.fdopen(fd, "wb") as f:
-            torch.save(report, f)
-        os.replace(tmp, folder / report_name(invoke, stage))
+            torch.save(reports, f)
+        os.replace(tmp, folder / f"{stage}-{min(r['invoke'] for r in reports)}.pt")
 
 
-def report_name(invoke: int, stage: int) -> str:
-    return f"{invoke}.{stage}.pt"
+def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
+    """Reports in batch files of ``folder`` not read before (their names are added to ``seen``)."""
+    reports: list[dict] = []
+    for path in sorted(folder.glob("*.pt")) if folder.exists() else ():
+        if path.name not in seen:
+            seen.add(path.name)
+            reports += torch.load(path, weights_only=False)
+    return reports
 
 
 def open_sink(spec: str) -> DirSink:
