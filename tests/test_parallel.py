@@ -9,6 +9,8 @@ stage and writes on another, forced tokens reaching every stage, and failures on
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,12 +19,16 @@ from test_interventions import *  # noqa: F403 - the runner's fidelity tests, co
 from test_interventions import ATOL, PROMPT
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
+# vLLM's executor for the ranks: "mp" (one host) or "ray" (what multi-node deployments use; the
+# CPU platform refuses it, so it runs on the GPU machines: INTERLACE_TEST_EXECUTOR=ray).
+EXECUTOR = os.environ.get("INTERLACE_TEST_EXECUTOR", "mp")
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def llama(request):
     tp, pp = LAYOUTS[request.param]
-    model = interlace.Model("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    model = interlace.Model("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            distributed_executor_backend=EXECUTOR)
     model.engine
     yield model
     model.close()
@@ -67,6 +73,9 @@ def test_split_values_and_parameters_are_whole(llama, oracles):
         m.save("act_in", mlp.act_fn.input)
         m.save("down_in", mlp.down_proj.input)
         m.save("lm_head_rows", m.lm_head.weight[[5, 7]])
+        if torch.cuda.is_available():  # vLLM's CPU backend frees linear weights after repacking them
+            m.save("qkv_weight", attn.qkv_proj.weight)
+            m.save("down_weight", mlp.down_proj.weight)
 
     saves = llama.generate(ids, program=program, max_tokens=1).saves
     close = lambda a, b: torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)  # noqa: E731
@@ -78,6 +87,9 @@ def test_split_values_and_parameters_are_whole(llama, oracles):
     embed = oracle.model.model.embed_tokens.weight[[5, 7]]
     close(saves["embed_rows"], embed)
     close(saves["lm_head_rows"], oracle.model.lm_head.weight[[5, 7]])
+    if torch.cuda.is_available():
+        close(saves["qkv_weight"], torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight]))
+        close(saves["down_weight"], hf_mlp.down_proj.weight)
 
 
 def test_writes_to_split_values_reach_every_rank(llama, oracles):
