@@ -72,10 +72,10 @@ def test_split_values_and_parameters_are_whole(llama, oracles):
         m.save("gate_up", mlp.gate_up_proj.output[0])
         m.save("act_in", mlp.act_fn.input)
         m.save("down_in", mlp.down_proj.input)
-        m.save("lm_head_rows", m.lm_head.weight[[5, 7]])
         if torch.cuda.is_available():  # vLLM's CPU backend frees linear weights after repacking them
-            m.save("qkv_weight", attn.qkv_proj.weight)
+            m.save("qkv_weight", attn.qkv_proj.weight)  # (under PP: read before later stages' points)
             m.save("down_weight", mlp.down_proj.weight)
+        m.save("lm_head_rows", m.lm_head.weight[[5, 7]])
 
     saves = llama.generate(ids, program=program, max_tokens=1).saves
     close = lambda a, b: torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)  # noqa: E731

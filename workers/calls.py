@@ -12,6 +12,7 @@ with the user's traceback, and a program that overruns its time budget is interr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import queue
 import threading
@@ -93,6 +94,7 @@ class ProgramCall:
         self.replaying = replay is not None  # even with no values: the code before the first access ran there
         self.log: list | None = [] if keep_log else None
         self._accesses = 0
+        self._stream = None
         self.used_s = 0.0  # time the program ran in this call (engine time not counted)
         self.waiting_for: Point | _Finished | None = None  # what the program needs next
         self.error: dict | None = None
@@ -104,6 +106,10 @@ class ProgramCall:
     # --- engine side ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        # The program's kernels (and any collective it triggers, e.g. reading a TP-split parameter)
+        # must queue behind the forward pass on the engine's device and stream; a fresh thread
+        # would otherwise use device 0's default stream.
+        self._stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
         _POOL.submit(self._run)
         self._wait_for_program()
 
@@ -181,7 +187,9 @@ class ProgramCall:
     def _run(self) -> None:
         self._thread_id = threading.get_ident()
         try:
-            with torch.inference_mode():  # grad mode is per thread; match the engine's
+            if self._stream is not None:
+                torch.cuda.set_device(self._stream.device)
+            with torch.inference_mode(), _on_stream(self._stream):  # per-thread state: match the engine's
                 self.program(self.view)
         except Suspended:
             pass
@@ -193,6 +201,10 @@ class ProgramCall:
             if self.waiting_for is not FINISHED:
                 self.waiting_for = FINISHED
                 self._to_engine.release()
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _snapshot(value: Any) -> Any:
