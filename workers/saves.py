@@ -1,10 +1,10 @@
 """Saved values on their way from a worker rank to an invoke's report.
 
-A save keeps one device-side copy for its whole group of invokes (asynchronous: no step waits), each
-invoke remembers its rows of it, and the copy crosses to the host once, when the first of those
-invokes is reported. Invokes reported together (a sweep finishes in one step) are assembled
-together: one concatenation per save name and one row gather per invoke, whatever the number of
-steps, so reporting 256 invokes x 128 steps x 4 names is 1,024 tensor operations, not 131,072.
+A save keeps one device-side copy for its whole group of invokes (asynchronous: no step waits), and
+each invoke remembers its rows of it. Invokes reported together (a sweep finishes in one step) are
+assembled together on the device: per save name, one concatenation of the copies, one row gather
+for all invokes, one device-to-host copy, and each invoke's result is a view of it. Reporting 256
+invokes x 128 steps x 4 names is a dozen tensor operations, not 131,072.
 """
 
 from __future__ import annotations
@@ -54,28 +54,34 @@ def assemble_saves(saves_of: list[dict[str, list]]) -> list[dict[str, Any]]:
 
 
 def _gather_rows(rows_of: list[list]) -> list[torch.Tensor] | None:
-    """The vectorised path: every value is rows of a copy with one row shape and dtype."""
-    copies: dict[int, DeferredCopy] = {}
+    """The vectorised path, when every value is rows of a copy with one row shape and dtype.
+
+    Gathers on the device where the copies are (one concatenation and one index per name), then
+    crosses to the host once; each invoke's result is a view of that one host tensor, so a report
+    file stores it once and the driver maps it without copying.
+    """
+    copies: dict[int, torch.Tensor] = {}
     for values in rows_of:
         for v in values:
             if not isinstance(v, SavedRows) or v.copy.copy.dim() == 0:
                 return None
-            copies.setdefault(id(v.copy), v.copy)
-    hosts = [c.get() for c in copies.values()]
-    if len({(h.shape[1:], h.dtype) for h in hosts}) != 1:
+            copies.setdefault(id(v.copy), v.copy.copy)
+    tensors = list(copies.values())
+    if len({(t.shape[1:], t.dtype, t.device) for t in tensors}) != 1:
         return None
-    offsets = dict(zip(copies, np.cumsum([0] + [h.shape[0] for h in hosts[:-1]]).tolist()))
-    everything = hosts[0] if len(hosts) == 1 else torch.cat(hosts)
-    gathered = []
+    offsets = dict(zip(copies, np.cumsum([0] + [t.shape[0] for t in tensors[:-1]]).tolist()))
+    indexes = []
     for values in rows_of:
         starts = np.fromiter((offsets[id(v.copy)] + v.start for v in values), np.int64, len(values))
         lengths = np.fromiter((v.stop - v.start for v in values), np.int64, len(values))
         if (lengths == 1).all():
-            index = starts
+            indexes.append(starts)
         else:  # each range start..start+length, concatenated, without a Python loop per row
-            index = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum())
-        gathered.append(everything.index_select(0, torch.from_numpy(index)))
-    return gathered
+            indexes.append(np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum()))
+    everything = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    index = torch.from_numpy(np.concatenate(indexes)).to(everything.device)
+    host = everything.index_select(0, index).to("cpu")
+    return list(host.split([len(i) for i in indexes]))
 
 
 def _combine(values: list) -> Any:

@@ -36,7 +36,7 @@ def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
     for path in sorted(folder.glob("*.pt")) if folder.exists() else ():
         if path.name not in seen:
             seen.add(path.name)
-            reports += torch.load(path, weights_only=False)
+            reports += torch.load(path, weights_only=False, mmap=True)  # tensors map the file: no copy
     return reports
 
 
