@@ -24,8 +24,8 @@ from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
-from interlace.workers.pipeline import EARLIER, HERE, LATER, Carried, StageMap
-from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, _short
+from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
+from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, short_name
 from interlace.workers.saves import DeferredCopy, SavedRows, assemble_saves
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
@@ -456,7 +456,7 @@ class Interleaver:
         after = call.view._current or "the start of the step"
         if point.kind.startswith("param:"):
             return (
-                f"{_short(point.module)}.{point.kind[6:]} belongs to an earlier pipeline stage, and "
+                f"{short_name(point.module)}.{point.kind[6:]} belongs to an earlier pipeline stage, and "
                 f"this program read it after {after}, which runs on a later stage. Read parameters "
                 "before the first access to a later layer's point (they are then carried along)"
             )

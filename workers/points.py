@@ -38,10 +38,11 @@ class Point:
     def __str__(self) -> str:
         if self.kind in ROW_PER_REQUEST_KINDS:
             return self.kind
-        return f"{_short(self.module)}.{self.kind}"
+        return f"{short_name(self.module)}.{self.kind}"
 
 
-def _short(module: str) -> str:
+def short_name(module: str) -> str:
+    """A module path as users write it (without the leading "model.")."""
     return module[len("model.") :] if module.startswith("model.") else module
 
 
@@ -77,7 +78,7 @@ class ModuleTree:
             if base in self.modules:
                 children = self.children(base)
                 raise AttributeError(
-                    f"no module {leaf!r} under {_short(base) or 'the model'!r} (path {path!r}); "
+                    f"no module {leaf!r} under {short_name(base) or 'the model'!r} (path {path!r}); "
                     f"its children are {children}"
                 )
         raise AttributeError(f"no module {path!r} in the model; top-level modules: {self.top_level()}")
