@@ -25,18 +25,36 @@ EXECUTOR = os.environ.get("INTERLACE_TEST_EXECUTOR", "mp")
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def llama(request):
-    tp, pp = LAYOUTS[request.param]
-    model = interlace.Model("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+def layout(request):
+    return LAYOUTS[request.param]
+
+
+def _parallel(name: str, layout):
+    tp, pp = layout
+    model = interlace.Model(name, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                             distributed_executor_backend=EXECUTOR)
     model.engine
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama(layout):
+    model = _parallel("tiny-llama", layout)
     yield model
     model.close()
 
 
 @pytest.fixture(scope="module")
-def any_model(llama):
-    return llama
+def qwen(layout):
+    model = _parallel("tiny-qwen2", layout)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+def any_model(request, layout):
+    # Engines start lazily, so `-k "not qwen"` starts only the Llama engine.
+    return request.getfixturevalue({"tiny-llama": "llama", "tiny-qwen2": "qwen"}[request.param])
 
 
 def test_greedy_generation_matches_transformers(llama, oracles):
@@ -46,10 +64,10 @@ def test_greedy_generation_matches_transformers(llama, oracles):
         assert llama.generate(ids, max_tokens=8, ignore_eos=True).token_ids == oracle.greedy(ids, 8)
 
 
-def test_split_values_and_parameters_are_whole(llama, oracles):
+def test_split_values_and_parameters_are_whole(any_model, oracle):
     """qkv_proj / gate_up_proj outputs and o_proj / down_proj inputs are split across TP ranks in
-    vLLM; programs see them whole, laid out as the unsharded model's merged projections."""
-    oracle = oracles["tiny-llama"]
+    vLLM; programs see them whole, laid out as the unsharded model's merged projections (Qwen2's
+    with their biases)."""
     ids = oracle.ids(PROMPT)
     hf_attn, hf_mlp = oracle.layers[1].self_attn, oracle.layers[1].mlp
     seen, handles = {}, []
@@ -72,12 +90,14 @@ def test_split_values_and_parameters_are_whole(llama, oracles):
         m.save("gate_up", mlp.gate_up_proj.output[0])
         m.save("act_in", mlp.act_fn.input)
         m.save("down_in", mlp.down_proj.input)
+        if attn.qkv_proj.bias is not None:
+            m.save("qkv_bias", attn.qkv_proj.bias)
         if torch.cuda.is_available():  # vLLM's CPU backend frees linear weights after repacking them
             m.save("qkv_weight", attn.qkv_proj.weight)  # (under PP: read before later stages' points)
             m.save("down_weight", mlp.down_proj.weight)
         m.save("lm_head_rows", m.lm_head.weight[[5, 7]])
 
-    saves = llama.generate(ids, program=program, max_tokens=1).saves
+    saves = any_model.generate(ids, program=program, max_tokens=1).saves
     close = lambda a, b: torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)  # noqa: E731
     close(saves["qkv"], torch.cat([seen["q"], seen["k"], seen["v"]], dim=-1))
     close(saves["o_in"], seen["o_in"])
@@ -87,15 +107,16 @@ def test_split_values_and_parameters_are_whole(llama, oracles):
     embed = oracle.model.model.embed_tokens.weight[[5, 7]]
     close(saves["embed_rows"], embed)
     close(saves["lm_head_rows"], oracle.model.lm_head.weight[[5, 7]])
+    if hf_attn.q_proj.bias is not None:
+        close(saves["qkv_bias"], torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]))
     if torch.cuda.is_available():
         close(saves["qkv_weight"], torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight]))
         close(saves["down_weight"], hf_mlp.down_proj.weight)
 
 
-def test_writes_to_split_values_reach_every_rank(llama, oracles):
+def test_writes_to_split_values_reach_every_rank(any_model, oracle):
     """Zero the values (v) inside the merged qkv output and halve the MLP's up projection: each
     rank must apply its own piece of the same edit."""
-    oracle = oracles["tiny-llama"]
     ids = oracle.ids(PROMPT)
 
     def program(m):
@@ -105,7 +126,7 @@ def test_writes_to_split_values_reach_every_rank(llama, oracles):
         m.layers[2].mlp.gate_up_proj.output[0][:, 256:] *= 0.5  # an in-place edit of the copy
 
     hooks = {oracle.layers[2].self_attn.v_proj: lambda o: o * 0, oracle.layers[2].mlp.up_proj: lambda o: o * 0.5}
-    out = llama.generate(ids, program=program, max_tokens=5, ignore_eos=True)
+    out = any_model.generate(ids, program=program, max_tokens=5, ignore_eos=True)
     assert out.token_ids == oracle.greedy(ids, 5, hooks=hooks)
 
 
