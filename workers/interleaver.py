@@ -66,6 +66,7 @@ class InvokeState:
 class CallContext:
     """One call's slice of the step: which invokes, which rows (read by the program's view)."""
 
+    key: tuple  # (group key, step): names the call to the next pipeline stage
     tree: ModuleTree
     services: "Interleaver"
     step: int
@@ -208,9 +209,10 @@ class Interleaver:
             if not final_chunk or (prog_step == 0 and first > 0):
                 state.fail(error_record(RuntimeError(
                     f"the prompt ({state.prompt_len} tokens) was split across scheduler steps by "
-                    "chunked prefill, so a program cannot see it whole at step 0; start the engine "
-                    "with enable_chunked_prefill=False or a larger max_num_batched_tokens, or use "
-                    "declarative ops, which handle chunks exactly"), where="step 0"))
+                    "chunked prefill (it is longer than the engine's max_num_batched_tokens), so a "
+                    "program cannot see it whole at step 0; start the engine with a larger "
+                    "max_num_batched_tokens or enable_chunked_prefill=False, or use declarative ops, "
+                    "which handle chunks exactly"), where="step 0"))
                 continue
             groups[(state.group_key, prog_step)].append((i, state, start, stop, first))
         ops: dict[Point, list[StepOp]] = defaultdict(list)
@@ -231,6 +233,7 @@ class Interleaver:
                         m[1].fail(carried.error)
                 continue
             ctx = CallContext(
+                key=(group_key, prog_step),
                 tree=self.tree,
                 services=self,
                 step=prog_step,
@@ -245,7 +248,6 @@ class Interleaver:
                                replay=carried.values if carried is not None else None,
                                keep_log=not self.stages.last)
             object.__setattr__(view, "_call", call)
-            object.__setattr__(ctx, "key", (group_key, prog_step))
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
         for call, ctx in self.step.calls:
