@@ -343,13 +343,14 @@ class Interleaver:
         except Exception as exc:  # noqa: BLE001 - e.g. resid on a module that is not a layer
             call.cancel(f"cannot read {point}: {exc}")
             return
+        version = value._version if isinstance(value, torch.Tensor) and not value.is_inference() else None
         call.resume(value)
         write = call.view._take_write() if call.view._current == point else None
         try:
             if write is not None:
                 access.write(point, rows, _local(split, write))
-            elif split is not None or access.is_copy(point, rows):  # edits of a copy in place
-                access.write(point, rows, _local(split, value))
+            elif split is not None or (access.is_copy(point, rows) and _maybe_edited(value, version)):
+                access.write(point, rows, _local(split, value))  # the program edited its copy in place
         except Exception as exc:  # noqa: BLE001
             call.error = call.error or error_record(exc, where=f"writing {point}")
         self._after_resume(call, ctx)
@@ -492,6 +493,11 @@ def _report_of(state: InvokeState, stage: int, saves: dict, error: dict | None =
         "shared": state.shared if error is None else [],
         "error": state.error or error,
     }
+
+
+def _maybe_edited(value: Any, version: int | None) -> bool:
+    """False only when the copy's version counter shows no in-place edit since it was handed out."""
+    return version is None or value._version != version
 
 
 def _gather(split, value: Any) -> Any:

@@ -159,7 +159,8 @@ class Rows:
     def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if isinstance(self.index, slice):
             return t[self.index] if dim == 0 else t[:, self.index]
-        return t.index_select(dim, self.index)
+        with torch.inference_mode(False):  # a normal tensor: its version counter shows edits
+            return t.index_select(dim, self.index)
 
     def put(self, t: torch.Tensor, dim: int, value: torch.Tensor) -> None:
         if dim == 0:
@@ -197,7 +198,8 @@ class PointAccess:
         base = self._base(point.kind)
         if point.kind == "resid":
             hidden, residual = base
-            return rows.take(hidden, 0) + rows.take(residual, 0)
+            with torch.inference_mode(False):  # a normal tensor: its version counter shows edits
+                return rows.take(hidden, 0) + rows.take(residual, 0)
         return _map(base, lambda t, d: rows.take(t, d), self.layout.num_tokens, point.kind)
 
     def write(self, point: Point, rows: Rows, value: Any) -> None:
@@ -216,8 +218,9 @@ class PointAccess:
         rows.put(base, _dim(base, self.layout.num_tokens, point.kind) or 0, value)
 
     def is_copy(self, point: Point, rows: Rows) -> bool:
-        """Whether reads hand out copies (gathered rows, or the computed resid sum); writing
-        such a copy back unchanged is exact, so in-place edits by programs are never lost."""
+        """Whether reads hand out copies (gathered rows, or the computed resid sum). Copies are
+        made outside inference mode, so their version counter tells whether a program edited
+        them in place (inference tensors have none); an edited copy is written back."""
         return point.kind == "resid" or not isinstance(rows.index, slice)
 
     def result(self) -> Any:
