@@ -22,6 +22,7 @@ Steer, patch and compare several prompts in one trace::
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -48,6 +49,7 @@ from interlace.workers.sink import read_new_reports
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
 _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
+_MIN_SHM_BYTES = 4 << 30  # report folders go to /dev/shm only with at least this much free
 
 
 class Model:
@@ -243,5 +245,10 @@ def _assemble(invokes: list[Invoke], outputs, reports: dict[int, list[dict]]) ->
 
 
 def _fast_tmp() -> str | None:
+    """Memory-backed /dev/shm for reports when it has room (containers often give it 64 MiB),
+    else the system's temporary folder."""
     shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() else None
+    if not shm.is_dir():
+        return None
+    stats = os.statvfs(shm)
+    return str(shm) if stats.f_bavail * stats.f_frsize >= _MIN_SHM_BYTES else None
