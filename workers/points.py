@@ -54,13 +54,9 @@ class ModuleTree:
         """``model``: this rank's live model; ``names``: every module name of the whole model
         (all pipeline stages). Modules another stage runs map to None, as do all with no model."""
         self.modules: dict[str, nn.Module | None] = dict.fromkeys(names or [])
-        if model is not None:
-            self.modules.update(
-                (name, module) for name, module in model.named_modules()
-                if type(module).__name__ != "PPMissingLayer"  # a stand-in for another stage's module
-            )
-            for name, module in model.named_modules():
-                self.modules.setdefault(name, None)
+        for name, module in model.named_modules() if model is not None else ():
+            # PPMissingLayer stands in for a module another pipeline stage runs
+            self.modules[name] = None if type(module).__name__ == "PPMissingLayer" else module
         self.local = {name for name, module in self.modules.items() if module is not None}
         self.final_norm = "model.norm" if "model.norm" in self.modules else None
         self.embeddings = next(

@@ -39,18 +39,21 @@ class GangAdmission:
             config.enable_chunked_prefill = True
 
     def _interlace_keep_whole(self) -> bool:
+        if not self._interlace_whole_waiting:  # plain traffic never pays for the scan below
+            return False
         budget = self.scheduler_config.max_num_batched_tokens
         wanted = False
         for request in self.waiting:
             if request.num_tokens > budget:
                 return False
             wanted = wanted or _extra(request).get(WHOLE_PROMPT_KEY, False)
+        self._interlace_whole_waiting = wanted
         return wanted
 
     def add_request(self, request) -> None:
         gang = _gang(request)
         if gang is None or request.request_id in self.requests:
-            return super().add_request(request)
+            return self._interlace_enqueue(request)
         trace, _index, size = gang
         held = self._interlace_held.setdefault(trace, [])
         held.append(request)
@@ -69,7 +72,13 @@ class GangAdmission:
 
     def _interlace_release(self, trace: str) -> None:
         for request in sorted(self._interlace_held.pop(trace, []), key=lambda r: _gang(r)[1]):
-            super().add_request(request)
+            self._interlace_enqueue(request)
+
+    def _interlace_enqueue(self, request) -> None:
+        """Hand ``request`` to vLLM's waiting queue."""
+        if _extra(request).get(WHOLE_PROMPT_KEY):
+            self._interlace_whole_waiting = True
+        super().add_request(request)
 
 
 def _extra(request) -> dict:
@@ -93,4 +102,5 @@ def make_scheduler(*args, vllm_config, **kwargs):
     cls = _CLASSES.setdefault(base, type(f"Gang{base.__name__}", (GangAdmission, base), {}))
     scheduler = cls(*args, vllm_config=vllm_config, **kwargs)
     scheduler._interlace_held = {}
+    scheduler._interlace_whole_waiting = False  # a request that needs its prompt whole may wait
     return scheduler
