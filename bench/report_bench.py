@@ -1,9 +1,10 @@
 """Report-path benchmark: what it costs to hand a sweep's saves from a worker to the driver.
 
 The runner benchmark's save cases end with every invoke finishing in the same step, so the whole
-save volume crosses at once: device copies to the host, one gather per invoke and name, one report
-file written by the worker and read by the driver. This times those phases alone, on the host,
-for the runner benchmark's shape (256 invokes x 128 steps x 4 names x [1, 2048] bf16 = 512 MiB).
+save volume is reported at once: the ledger's gather per name (the host copies were made during
+generation), one report file written by the worker and mapped by the driver. This times those
+phases alone, on the host, for the runner benchmark's shape (256 invokes x 128 steps x 4 names x
+[1, 2048] bf16 = 512 MiB).
 
 Usage: python bench/report_bench.py [--invokes 256] [--steps 128] [--names 4] [--hidden 2048]
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from interlace.workers.saves import DeferredCopy, SavedRows, assemble_saves
+from interlace.workers.saves import SaveLedger
 from interlace.workers.sink import DirSink, read_new_reports
 
 
@@ -29,17 +30,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args()
 
-    saves = [{} for _ in range(args.invokes)]
-    for name in range(args.names):
-        for _ in range(args.steps):  # one device-side copy per step, shared by the group
-            copy = DeferredCopy(torch.randn(args.invokes, args.hidden, dtype=torch.bfloat16))
-            for i in range(args.invokes):
-                saves[i].setdefault(f"l{name}", []).append(SavedRows(copy, i, i + 1))
+    ledger = SaveLedger()
+    owners = list(range(args.invokes))
+    rows = [(i, i + 1) for i in owners]
+    for _ in range(args.steps):
+        for name in range(args.names):  # one chunk per save: the whole sweep's rows at one step
+            ledger.add("t", f"l{name}", torch.randn(args.invokes, args.hidden, dtype=torch.bfloat16), owners, rows)
     mib = args.invokes * args.steps * args.names * args.hidden * 2 / 2**20
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as root:
         started = time.perf_counter()
-        assembled = assemble_saves(saves)
+        assembled = ledger.take("t", owners)
         t_assemble = time.perf_counter() - started
         reports = [{"trace": "t", "invoke": i, "stage": 0, "saves": s, "shared": [], "error": None}
                    for i, s in enumerate(assembled)]

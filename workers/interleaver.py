@@ -13,6 +13,8 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +28,7 @@ from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, short_name
-from interlace.workers.saves import DeferredCopy, SavedRows, assemble_saves
+from interlace.workers.saves import SaveLedger
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
@@ -40,6 +42,7 @@ class InvokeState:
     """Long-lived state of one intervened request on this rank."""
 
     req_id: str
+    slot: int  # this rank's number for the invoke (saved rows record their owners by it)
     trace: str
     invoke: int
     prompt_len: int
@@ -50,7 +53,7 @@ class InvokeState:
     sink: str
     timeout_s: float
     max_save_bytes: int
-    saves: dict[str, list] = field(default_factory=dict)
+    saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
     error: dict | None = None
     save_bytes: int = 0
@@ -109,7 +112,9 @@ class Interleaver:
         self.step: Step | None = None
         self.carry_in: dict[tuple, Carried] = {}  # from the previous pipeline stage, this step
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
-        self.op_plans: dict[str, OpPlan] = {}  # op key -> the op and the invokes carrying it
+        self.op_plans: dict[tuple[str, str], OpPlan] = {}  # (trace, op key) -> the op and its invokes
+        self.ledger = SaveLedger()
+        self._slots = itertools.count()
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self.device = next(model.parameters()).device
 
@@ -123,6 +128,7 @@ class Interleaver:
         payload = cloudpickle.loads(payload_bytes)
         state = InvokeState(
             req_id=req_id,
+            slot=next(self._slots),
             trace=payload["trace"],
             invoke=payload["invoke"],
             prompt_len=prompt_len,
@@ -149,7 +155,8 @@ class Interleaver:
         for op in state.ops:
             if "_point" in op and self.stages.where(op["_point"]) == HERE:  # other stages apply theirs
                 self.hooks.want(op["_point"], owner=req_id)
-                self.op_plans.setdefault(op.get("key", str(id(op))), OpPlan(op)).members.append(state)
+                key = (state.trace, op.get("key", str(id(op))))  # a plan's saves belong to one trace
+                self.op_plans.setdefault(key, OpPlan(op)).members.append(state)
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
@@ -174,8 +181,8 @@ class Interleaver:
         stage = self.rank["pp_rank"]
         for (sink, trace), states in batches.items():
             try:
-                saves = assemble_saves([state.saves for state in states])
-                reports = [_report_of(state, stage, s) for state, s in zip(states, saves)]
+                rows = self.ledger.take(trace, [state.slot for state in states])
+                reports = [_report_of(state, stage, _with_objects(r, state.saves)) for state, r in zip(states, rows)]
                 open_sink(sink).write(trace, stage, reports)
             except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable save: report that instead
                 record = error_record(exc, where="reporting results")
@@ -375,31 +382,36 @@ class Interleaver:
     # --- services for programs (called from the program thread while the engine waits) --------
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
-        if not isinstance(value, torch.Tensor):
-            for inv in ctx.invokes:
-                inv.saves.setdefault(name, []).append(value)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            self._save_rows(ctx.invokes, name, value, _split_ranges(ctx, value, "save"))
             return
-        self._save_rows(ctx.invokes, name, value, _split_ranges(ctx, value, "save"))
+        if isinstance(value, torch.Tensor):  # a scalar: kept whole (a batched call needs rows)
+            _split_ranges(ctx, value, "save")
+            value = value.detach().to("cpu", copy=True)
+        for inv in ctx.invokes:
+            inv.saves.setdefault(name, []).append(value)
 
     def _save_rows(self, invokes: list[InvokeState], name: str, value: torch.Tensor,
                    ranges: list[tuple[int, int]]) -> None:
-        """Keep one copy of ``value`` for the whole group; each invoke keeps its rows of it.
+        """Record ``value`` once for the whole group (each invoke owns ``ranges[i]`` of its rows).
 
-        The engine never waits here: the copy stays on the device until the first of these
-        invokes is reported (bounded by ``max_save_bytes`` per invoke).
+        The engine never waits here: the host copy is asynchronous (see saves.py). Every TP rank
+        checks the limit, so an over-limit save fails the same way everywhere; only the rank that
+        reports keeps the rows.
         """
-        row_bytes = value[0].numel() * value.element_size() if value.dim() else value.element_size()
-        for inv, (start, stop) in zip(invokes, ranges):
-            if inv.save_bytes + (stop - start) * row_bytes > inv.max_save_bytes:
+        row_bytes = math.prod(value.shape[1:]) * value.element_size()
+        sizes = [(stop - start) * row_bytes for start, stop in ranges]
+        for inv, size in zip(invokes, sizes):
+            if inv.save_bytes + size > inv.max_save_bytes:
                 raise MemoryError(
                     f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
                     f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
                     "e.g. m.last(x) or a reduction)"
                 )
-        copy = DeferredCopy(value)
-        for inv, (start, stop) in zip(invokes, ranges):
-            inv.save_bytes += (stop - start) * row_bytes
-            inv.saves.setdefault(name, []).append(SavedRows(copy, start, stop))
+        for inv, size in zip(invokes, sizes):
+            inv.save_bytes += size
+        if self.rank["tp_rank"] == 0:
+            self.ledger.add(invokes[0].trace, name, value, [inv.slot for inv in invokes], ranges)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
@@ -493,6 +505,16 @@ def _report_of(state: InvokeState, stage: int, saves: dict, error: dict | None =
         "shared": state.shared if error is None else [],
         "error": state.error or error,
     }
+
+
+def _with_objects(rows: dict[str, Any], objects: dict[str, list]) -> dict[str, Any]:
+    """An invoke's saves: its rows by name, plus values that are not rows (one value, or a list
+    when saved at several steps)."""
+    for name, values in objects.items():
+        if name in rows:
+            raise TypeError(f"save({name!r}) got both tensors with rows and other values; use two names")
+        rows[name] = values[0] if len(values) == 1 else values
+    return rows
 
 
 def _maybe_edited(value: Any, version: int | None) -> bool:

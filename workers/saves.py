@@ -1,100 +1,127 @@
 """Saved values on their way from a worker rank to an invoke's report.
 
-A save keeps one device-side copy for its whole group of invokes (asynchronous: no step waits), and
-each invoke remembers its rows of it. Invokes reported together (a sweep finishes in one step) are
-assembled together on the device: per save name, one concatenation of the copies, one row gather
-for all invokes, one device-to-host copy, and each invoke's result is a view of it. Reporting 256
-invokes x 128 steps x 4 names is a dozen tensor operations, not 131,072.
+A save of rows (a tensor whose dim 0 runs over a group's tokens or invokes) is recorded once for
+its whole group: one :class:`SaveChunk` per save call, holding a host copy of the rows and, as
+arrays, which invoke owns which of them. On a GPU the copy is made at save time, asynchronously on
+the engine's stream into pinned host memory, so no step waits for it and an invoke's bytes are on
+the host before it is reported. Reporting is then a host gather per name: for a sweep of 256
+invokes x 128 steps x 4 names, four concatenations and four row selections, not 131,072 slices.
+
+    ledger.add(trace, "l3", rows, owners=[slot, ...], ranges=[(start, stop), ...])
+    ledger.take(trace, [slot, ...])  ->  [{"l3": tensor}, ...]   (and forgets what it handed out)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
-class DeferredCopy:
-    """A saved value held where it was made (a device-side copy: asynchronous, and safe from
-    later in-place kernels) until the first invoke sharing it is reported; only then does it
-    cross to the host, so no step of the forward pass waits on a device-to-host copy."""
+@dataclass
+class SaveChunk:
+    """One save call's rows, for every invoke of its group."""
 
-    __slots__ = ("copy",)
-
-    def __init__(self, value: torch.Tensor):
-        self.copy = value.detach().clone()
-
-    def get(self) -> torch.Tensor:
-        if self.copy.device.type != "cpu":
-            self.copy = self.copy.to("cpu")
-        return self.copy
+    name: str
+    rows: torch.Tensor  # host copy (pinned and possibly still in flight when it came from a GPU)
+    ready: torch.cuda.Event | None  # recorded after the copy; None for host values
+    owners: np.ndarray  # invoke slot of each range
+    starts: np.ndarray  # each owner's rows of ``rows``: starts[i]:stops[i]
+    stops: np.ndarray
+    pending: int  # owners not yet reported
 
 
-class SavedRows:
-    """One invoke's rows ``start:stop`` of a :class:`DeferredCopy`."""
-
-    __slots__ = ("copy", "start", "stop")
-
-    def __init__(self, copy: DeferredCopy, start: int, stop: int):
-        self.copy, self.start, self.stop = copy, start, stop
-
-
-def assemble_saves(saves_of: list[dict[str, list]]) -> list[dict[str, Any]]:
-    """Each invoke's saves by name: tensors saved at several steps concatenate along dim 0 (a
-    residual saved every step is the whole sequence's), other values become a list."""
-    results: list[dict[str, Any]] = [{} for _ in saves_of]
-    for name in dict.fromkeys(n for saves in saves_of for n in saves):
-        owners = [i for i, saves in enumerate(saves_of) if name in saves]
-        rows = [saves_of[i][name] for i in owners]
-        gathered = _gather_rows(rows)
-        for i, values, value in zip(owners, rows, gathered or [None] * len(owners)):
-            results[i][name] = value if gathered is not None else _combine(values)
-    return results
+def host_copy(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A snapshot of ``value`` on the host. From a GPU it is asynchronous: the copy is queued on
+    the current stream (so later in-place kernels cannot change it) and ``ready`` tells when it
+    has landed."""
+    value = value.detach()
+    if value.device.type != "cuda":
+        return value.clone(), None
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
-def _gather_rows(rows_of: list[list]) -> list[torch.Tensor] | None:
-    """The vectorised path, when every value is rows of a copy with one row shape and dtype.
+class SaveLedger:
+    """Every tensor of rows saved on this rank, by trace, until its invokes are reported."""
 
-    Gathers on the device where the copies are (one concatenation and one index per name), then
-    crosses to the host once; each invoke's result is a view of that one host tensor, so a report
-    file stores it once and the driver maps it without copying.
-    """
-    copies: dict[int, torch.Tensor] = {}
-    for values in rows_of:
-        for v in values:
-            if not isinstance(v, SavedRows) or v.copy.copy.dim() == 0:
-                return None
-            copies.setdefault(id(v.copy), v.copy.copy)
-    tensors = list(copies.values())
-    if len({(t.shape[1:], t.dtype, t.device) for t in tensors}) != 1:
-        return None
-    offsets = dict(zip(copies, np.cumsum([0] + [t.shape[0] for t in tensors[:-1]]).tolist()))
-    indexes = []
-    for values in rows_of:
-        starts = np.fromiter((offsets[id(v.copy)] + v.start for v in values), np.int64, len(values))
-        lengths = np.fromiter((v.stop - v.start for v in values), np.int64, len(values))
-        if (lengths == 1).all():
-            indexes.append(starts)
-        else:  # each range start..start+length, concatenated, without a Python loop per row
-            indexes.append(np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(lengths.sum()))
-    everything = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-    index = torch.from_numpy(np.concatenate(indexes)).to(everything.device)
-    host = everything.index_select(0, index).to("cpu")
-    return list(host.split([len(i) for i in indexes]))
+    def __init__(self):
+        self._chunks: dict[str, list[SaveChunk]] = defaultdict(list)
 
+    def add(self, trace: str, name: str, value: torch.Tensor, owners: list[int],
+            ranges: list[tuple[int, int]]) -> None:
+        rows, ready = host_copy(value)
+        bounds = np.array(ranges, dtype=np.int64).reshape(-1, 2)
+        self._chunks[trace].append(SaveChunk(name, rows, ready, np.array(owners, dtype=np.int64),
+                                             bounds[:, 0], bounds[:, 1], len(owners)))
 
-def _combine(values: list) -> Any:
-    values = [_host_rows(v) if isinstance(v, SavedRows) else v for v in values]
-    if len(values) == 1:
-        return values[0]
-    if all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[1:] == values[0].shape[1:] for v in values):
-        return torch.cat(values, dim=0)
-    return values
+    def take(self, trace: str, owners: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Each owner's saves by name (rows of all its chunks, in save order, concatenated along
+        dim 0: a residual saved every step is the whole sequence's). Chunks every owner of which
+        has now been reported are dropped."""
+        wanted = np.array(owners, dtype=np.int64)
+        by_name: dict[str, list[tuple[SaveChunk, np.ndarray]]] = defaultdict(list)
+        kept = []
+        for chunk in self._chunks.pop(trace, ()):
+            mine = np.isin(chunk.owners, wanted)
+            if mine.any():
+                by_name[chunk.name].append((chunk, mine))
+                chunk.pending -= int(mine.sum())
+            if chunk.pending > 0:
+                kept.append(chunk)
+        if kept:
+            self._chunks[trace] = kept
+        results: list[dict[str, torch.Tensor]] = [{} for _ in owners]
+        for name, parts in by_name.items():
+            for i, value in _assemble(parts, wanted).items():
+                results[i][name] = value
+        return results
 
 
-def _host_rows(rows: SavedRows) -> torch.Tensor:
-    host = rows.copy.get()
-    if host.dim() == 0 or (rows.start, rows.stop) == (0, host.shape[0]):
-        return host
-    return host[rows.start : rows.stop].clone()  # own storage: a view would pickle it all
+def _assemble(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> dict[int, torch.Tensor]:
+    """One name's rows for each wanted owner (by index into ``wanted``), gathered into one tensor
+    with one indexed copy per chunk; each result is a view of that tensor, so a report file stores
+    it once and the driver maps it without copying."""
+    for chunk, _ in parts:
+        if chunk.ready is not None:
+            chunk.ready.synchronize()
+    sorter = np.argsort(wanted)
+    owner = np.concatenate([c.owners[m] for c, m in parts])
+    invoke = sorter[np.searchsorted(wanted, owner, sorter=sorter)]
+    if len({(c.rows.shape[1:], c.rows.dtype) for c, _ in parts}) != 1:
+        return _assemble_unlike(parts, invoke)
+    chunk = np.concatenate([np.full(int(m.sum()), i) for i, (_, m) in enumerate(parts)])
+    start = np.concatenate([c.starts[m] for c, m in parts])
+    length = np.concatenate([(c.stops - c.starts)[m] for c, m in parts])
+    order = np.argsort(invoke, kind="stable")  # owner-major; save order within an owner
+    chunk, start, length, invoke = chunk[order], start[order], length[order], invoke[order]
+    # one entry per row, in destination order: its chunk and its row there
+    row_chunk = np.repeat(chunk, length)
+    row_source = np.repeat(start - np.cumsum(length) + length, length) + np.arange(length.sum())
+    by_chunk = np.argsort(row_chunk, kind="stable")  # destination rows grouped by source chunk
+    bounds = np.cumsum([0] + np.bincount(row_chunk, minlength=len(parts)).tolist())
+    first = parts[0][0].rows
+    out = torch.empty((int(length.sum()), *first.shape[1:]), dtype=first.dtype)
+    for i, (c, _) in enumerate(parts):
+        dest = by_chunk[bounds[i] : bounds[i + 1]]
+        source = row_source[dest]
+        rows = c.rows if np.array_equal(source, np.arange(len(c.rows))) else c.rows[torch.from_numpy(source)]
+        out.index_copy_(0, torch.from_numpy(dest), rows)
+    present = np.unique(invoke)
+    counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
+    return dict(zip(present.tolist(), out.split(counts.tolist())))
+
+
+def _assemble_unlike(parts: list[tuple[SaveChunk, np.ndarray]], invoke: np.ndarray) -> dict[int, object]:
+    """Rows of different shapes under one name: a list per owner, in save order (rare: one
+    Python step per saved range)."""
+    out: dict[int, list] = defaultdict(list)
+    ranges = ((c.rows, a, b) for c, m in parts for a, b in zip(c.starts[m], c.stops[m]))
+    for i, (rows, a, b) in zip(invoke.tolist(), ranges):
+        out[i].append(rows[a:b].clone())  # own storage: a view would pickle the whole chunk
+    return {i: values[0] if len(values) == 1 else values for i, values in out.items()}

@@ -8,11 +8,13 @@ reads them as they appear. The cluster's collector actor is another sink kind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
 
 import torch
+import torch.utils.serialization
 
 
 class DirSink:
@@ -25,9 +27,23 @@ class DirSink:
         folder = self.root / trace
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, _without_checksum():
             torch.save(reports, f)
         os.replace(tmp, folder / f"{stage}-{min(r['invoke'] for r in reports)}.pt")
+
+
+@contextlib.contextmanager
+def _without_checksum():
+    """torch.save's CRC-32 of every byte takes ten times as long as writing them (1.4 s of 1.56 s
+    for 512 MiB on 2 cores); a report lives on this machine for seconds and is renamed into place
+    only once complete, so the checksum guards nothing here."""
+    config = torch.utils.serialization.config.save
+    before = config.compute_crc32
+    config.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.compute_crc32 = before
 
 
 def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
