@@ -156,6 +156,10 @@ class Model:
             params.append(SamplingParams(**trace.settings, extra_args=extra))
         with self._lock:
             outputs = self.engine.generate(prompts, params, use_tqdm=False)
+            if type(self.engine.llm_engine.engine_core).__name__ == "InprocClient":
+                # VLLM_ENABLE_V1_MULTIPROCESSING=0: nothing steps the engine once generate() is
+                # done, and workers learn which requests finished (and report them) in a step
+                self.engine.llm_engine.step()
         reports = self._collect(trace_id, [i for i, p in enumerate(payloads) if p is not None])
         return _assemble(trace.invokes, outputs, reports)
 

@@ -72,3 +72,38 @@ def test_program_prompts_sharing_the_budget_are_not_split(chunked, oracles):
     for ids, result in zip(prompts, tr.result):
         assert len(ids) == 20
         torch.testing.assert_close(result.saves["x"], oracle.run(ids)["resid"][1], atol=ATOL, rtol=ATOL)
+
+
+def test_batched_program_spans_invokes_admitted_in_different_steps(chunked, oracles):
+    """Three 20-token prompts under a 32-token budget enter in three steps, so at any scheduler
+    step the invokes are at different generation steps. A batched program still runs once per
+    scheduler step over all of them (``m.steps`` tells each one's step), and every invoke's saves
+    are its own; ``m.step`` refuses to pick one step for the call."""
+    oracle = oracles["tiny-llama"]
+    prompts = [oracle.ids(f"Prompt number {i} talks about steering vectors and residual streams")[:20]
+               for i in range(3)]
+
+    @interlace.batched
+    def sweep(m):
+        m.save("steps", torch.tensor(m.steps).reshape(-1, 1))
+        m.save("last", m.last(m.layers[1].resid))
+
+    with chunked.trace(max_tokens=3, ignore_eos=True) as tr:
+        for ids in prompts:
+            tr.invoke(ids, program=sweep)
+    for ids, result in zip(prompts, tr.result):
+        assert result.saves["steps"].flatten().tolist() == [0, 1, 2]
+        ref = chunked.generate(ids, program=lambda m: m.save("last", m.last(m.layers[1].resid)),
+                               max_tokens=3, ignore_eos=True)
+        assert result.token_ids == ref.token_ids
+        torch.testing.assert_close(result.saves["last"], ref.saves["last"], atol=ATOL, rtol=ATOL)
+
+    @interlace.batched
+    def uses_step(m):
+        if m.step == 0:
+            m.save("x", m.last(m.layers[1].resid))
+
+    with pytest.raises(interlace.InterventionError, match=r"generation steps \[0, 1\].*m\.steps\[j\]"):
+        with chunked.trace(max_tokens=3, ignore_eos=True) as tr:
+            for ids in prompts:
+                tr.invoke(ids, program=uses_step)

@@ -22,7 +22,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from interlace.workers.calls import ProgramCall, error_record
+from interlace.workers.calls import ProgramCall, error_record, quick_handoffs
 from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
@@ -69,10 +69,10 @@ class InvokeState:
 class CallContext:
     """One call's slice of the step: which invokes, which rows (read by the program's view)."""
 
-    key: tuple  # (group key, step): names the call to the next pipeline stage
+    key: str  # the group key: names the call to the next pipeline stage
     tree: ModuleTree
     services: "Interleaver"
-    step: int
+    steps: list[int]  # each invoke's generation step
     invokes: list[InvokeState]
     req_rows: list[int]  # each invoke's request index in the layout (its logits/samples row)
     token_ranges: list[tuple[int, int]]  # each invoke's rows in the flat batch
@@ -96,7 +96,7 @@ class Step:
     calls: list[tuple[ProgramCall, CallContext]]
     ops: dict[Point, list[StepOp]]  # ops to apply at each point this step, in order
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
-    carry: dict[tuple, Carried] = field(default_factory=dict)  # for the next pipeline stage
+    carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
 
 
 class Interleaver:
@@ -110,7 +110,7 @@ class Interleaver:
         self.tp = TensorParallelLayout(self.tree.modules, rank_info["tp_rank"], rank_info["tp_size"], hidden_size)
         self.invokes: dict[str, InvokeState] = {}
         self.step: Step | None = None
-        self.carry_in: dict[tuple, Carried] = {}  # from the previous pipeline stage, this step
+        self.carry_in: dict[str, Carried] = {}  # from the previous pipeline stage, this step
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
         self.op_plans: dict[tuple[str, str], OpPlan] = {}  # (trace, op key) -> the op and its invokes
         self.ledger = SaveLedger()
@@ -156,7 +156,9 @@ class Interleaver:
             if "_point" in op and self.stages.where(op["_point"]) == HERE:  # other stages apply theirs
                 self.hooks.want(op["_point"], owner=req_id)
                 key = (state.trace, op.get("key", str(id(op))))  # a plan's saves belong to one trace
-                self.op_plans.setdefault(key, OpPlan(op)).members.append(state)
+                if key not in self.op_plans:
+                    self.op_plans[key] = OpPlan(_op_on_device(op, self.device))
+                self.op_plans[key].members.append(state)
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
@@ -191,15 +193,17 @@ class Interleaver:
     # --- per step ------------------------------------------------------------------------------
 
     def begin_step(self, layout: BatchLayout) -> None:
-        groups: dict[tuple[str, int], list[tuple[int, InvokeState, int, int, int]]] = defaultdict(list)
+        # One call per group for the whole scheduler step: a batched sweep's invokes run together
+        # even when vLLM admitted their prompts in different steps (so their generation steps differ)
+        groups: dict[str, list[tuple[int, InvokeState, int, int, int, int]]] = defaultdict(list)
         for state in self.invokes.values():
             state.scheduled = ()
+        starts, firsts = layout.row_starts.tolist(), layout.first_positions.tolist()  # plain ints: fast
         for i, req_id in enumerate(layout.req_ids):
             state = self.invokes.get(req_id)
             if state is None or state.error is not None:
                 continue
-            start, stop = int(layout.row_starts[i]), int(layout.row_starts[i + 1])
-            first = int(layout.first_positions[i])
+            start, stop, first = starts[i], starts[i + 1], firsts[i]
             end = first + (stop - start)
             if first < state.next_position:
                 state.fail(error_record(RuntimeError(
@@ -221,7 +225,7 @@ class Interleaver:
                     "max_num_batched_tokens or enable_chunked_prefill=False, or use declarative ops, "
                     "which handle chunks exactly"), where="step 0"))
                 continue
-            groups[(state.group_key, prog_step)].append((i, state, start, stop, first))
+            groups[state.group_key].append((i, state, start, stop, first, prog_step))
         ops: dict[Point, list[StepOp]] = defaultdict(list)
         for plan in self.op_plans.values():  # one list comprehension per op, not a call per invoke
             step_op = plan.for_step()
@@ -229,21 +233,21 @@ class Interleaver:
                 ops[plan.point].append(step_op)
         self.step = Step(layout, [], ops)
         carry_in, self.carry_in = self.carry_in, {}
-        for (group_key, prog_step), members in groups.items():
+        for group_key, members in groups.items():
             members.sort(key=lambda m: m[1].invoke)
-            carried = carry_in.get((group_key, prog_step))
+            carried = carry_in.get(group_key)
             if carried is not None and carried.status != "suspended":
                 # finished or failed on an earlier stage: nothing left to run here
-                self.step.carry[(group_key, prog_step)] = carried
+                self.step.carry[group_key] = carried
                 for m in members:
                     if carried.error is not None:
                         m[1].fail(carried.error)
                 continue
             ctx = CallContext(
-                key=(group_key, prog_step),
+                key=group_key,
                 tree=self.tree,
                 services=self,
-                step=prog_step,
+                steps=[m[5] for m in members],
                 invokes=[m[1] for m in members],
                 req_rows=[m[0] for m in members],
                 token_ranges=[(m[2], m[3]) for m in members],
@@ -257,12 +261,14 @@ class Interleaver:
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
+        if self.step.calls:
+            quick_handoffs(True)
         for call, ctx in self.step.calls:
             call.start()
             self._after_resume(call, ctx)
             self._pump(self.step)
 
-    def end_step(self) -> dict[tuple, Carried]:
+    def end_step(self) -> dict[str, Carried]:
         """Close the step's calls; returns what the next pipeline stage needs to go on."""
         step = self.step
         if step is None:
@@ -280,6 +286,8 @@ class Interleaver:
                 if not self.stages.last:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
             self._close_call(call, ctx)
+        if step.calls:
+            quick_handoffs(False)
         self.step = None
         return step.carry
 
@@ -486,7 +494,7 @@ class Interleaver:
         present = sorted(inv.invoke for inv in self.invokes.values()
                          if inv.trace == trace and inv.req_id in self.step.layout.req_ids)
         return (
-            f"recv({name!r}) at step {ctx.step}: no invoke of this trace sent {name!r} in this "
+            f"recv({name!r}) at step {ctx.steps[0] if len(set(ctx.steps)) == 1 else sorted(set(ctx.steps))}: no invoke of this trace sent {name!r} in this "
             f"step. Invokes of the trace scheduled in this step: {present}. The sender must be "
             "scheduled in the same step as the receiver (prompts that fit one step together are) "
             "and call send() in that step."
@@ -554,6 +562,14 @@ def _split_ranges(ctx: CallContext, value: torch.Tensor, what: str) -> list[tupl
         f"{what}() in a batched call over {n} invokes needs a tensor whose first dim is the "
         f"call's {ctx.num_rows} token rows or its {n} invokes (got shape {tuple(value.shape)})"
     )
+
+
+def _op_on_device(op: dict, device: torch.device) -> dict:
+    """The op with its vector on the model's device, once per plan: a host-to-device copy at
+    every step would make the engine wait for the GPU (pageable memory)."""
+    if isinstance(op.get("value"), torch.Tensor):
+        op = {**op, "value": op["value"].to(device)}
+    return op
 
 
 def _on_device(program: Any, device: torch.device) -> Any:

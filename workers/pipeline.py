@@ -60,14 +60,14 @@ class StageMap:
 
 @dataclass
 class Carried:
-    """One call's outcome on the stages so far, keyed by (group key, step) in the carry."""
+    """One call's outcome on the stages so far, keyed by its group key in the carry."""
 
     status: str  # "suspended" (goes on on a later stage), "finished" or "failed"
     values: list = field(default_factory=list)  # what each access returned, in order
     error: dict | None = None
 
 
-def pack(carry: dict[tuple, Carried], tp_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+def pack(carry: dict[str, Carried], tp_size: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The carry as two ``IntermediateTensors`` entries (vLLM's CPU transport takes at most 8
     tensors in all): every carried tensor's bytes in one device buffer, and a pickled host-side
     description of who carries what."""
@@ -99,7 +99,7 @@ def pack(carry: dict[tuple, Carried], tp_size: int, device: torch.device) -> dic
     return out
 
 
-def unpack(entries: dict[str, torch.Tensor]) -> dict[tuple, Carried]:
+def unpack(entries: dict[str, torch.Tensor]) -> dict[str, Carried]:
     meta = entries.get(f"{CARRY_PREFIX}meta")
     if meta is None:
         return {}

@@ -92,7 +92,20 @@ class ProgramView:
     @property
     def step(self) -> int:
         """Generation step: 0 is the prompt (all of it), k >= 1 the k-th generated token's step."""
-        return self._ctx.step
+        steps = set(self._ctx.steps)
+        if len(steps) > 1:
+            raise ValueError(
+                f"this batched call covers invokes at generation steps {sorted(steps)} (vLLM admitted "
+                "their prompts in different scheduler steps, e.g. more prompt tokens than "
+                "max_num_batched_tokens); use m.steps[j] for invoke j's step"
+            )
+        return self._ctx.steps[0]
+
+    @property
+    def steps(self) -> list[int]:
+        """Each invoke's generation step (a batched call runs every invoke scheduled in this
+        scheduler step; their prompts may have been admitted in different steps)."""
+        return self._ctx.steps
 
     @property
     def n(self) -> int:
@@ -174,7 +187,9 @@ class ProgramView:
         self._write(self._tree.point(name), value)
 
     def where(self) -> str:
-        return f"step {self.step}" + (f", at {self._current}" if self._current else "")
+        steps = sorted(set(self._ctx.steps))
+        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+        return where + (f", at {self._current}" if self._current else "")
 
     # --- interleaving (called from the program thread) -------------------------------------------
 

@@ -1,0 +1,109 @@
+"""Step probe: where interlace's time goes inside the engine, per step (a diagnostic, not a figure).
+
+Runs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) so the worker's
+interleaver can be timed directly: wall time of each runner step, and within it the interleaver's
+phases (begin_step, hooks, end_step, reports) and the engine's waits for program threads. On a GPU
+it also reports synchronising CUDA calls made inside interlace's own code (torch's sync debug
+mode, switched on only while interlace code runs), the usual reason a hook stalls vLLM's
+asynchronous scheduling.
+
+Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import os
+import time
+import warnings
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+TOTALS: dict[str, float] = collections.defaultdict(float)
+COUNTS: dict[str, int] = collections.defaultdict(int)
+SYNCS: collections.Counter = collections.Counter()
+
+
+def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
+    import torch
+
+    original = getattr(owner, name)
+    cuda = torch.cuda.is_available()
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        mode = torch.cuda.get_sync_debug_mode() if cuda and debug_sync else None
+        if mode is not None:
+            torch.cuda.set_sync_debug_mode(1)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                return original(*args, **kwargs)
+        finally:
+            if mode is not None:
+                torch.cuda.set_sync_debug_mode(mode)
+                for w in caught:
+                    if "synchroniz" in str(w.message):
+                        SYNCS[f"{label}: {w.filename}:{w.lineno}"] += 1
+            TOTALS[label] += time.perf_counter() - started
+            COUNTS[label] += 1
+
+    setattr(owner, name, wrapper)
+
+
+def install_probes() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from interlace.workers import calls, interleaver, saves
+
+    timed(Worker, "execute_model", "runner.execute_model", debug_sync=False)
+    timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
+    timed(interleaver.Interleaver, "_dispatch", "interleaver.hooks")
+    timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
+    timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
+    timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
+    timed(saves, "host_copy", "saves.host_copy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="ops-save4,prog-save4,prog-steer1")
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--in", dest="inp", type=int, default=128)
+    parser.add_argument("--out", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+
+    import interlace
+    from runner_bench import MODEL_DIR, config, interlace_cases, make_model_dir, prompts, run_interlace
+
+    if not args.tiny:
+        make_model_dir(MODEL_DIR)
+    args.tp, args.pp = 1, 1
+    model = interlace.Model(config(args))
+    hf = model.engine.llm_engine.model_config.hf_config
+    cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
+    data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
+    install_probes()
+    for name in ["none", *args.cases.split(",")]:
+        for warm in (True, False):
+            TOTALS.clear(), COUNTS.clear(), SYNCS.clear()
+            seconds, tokens, saved = run_interlace(model, data, args.out, cases[name])
+            if warm:
+                continue
+            steps = max(1, COUNTS["runner.execute_model"])
+            print(f"\n{name}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved")
+            for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
+                print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
+            for where, count in SYNCS.most_common(10):
+                print(f"  sync x{count}: {where}")
+    with contextlib.suppress(Exception):
+        model.close()
+
+
+if __name__ == "__main__":
+    main()
