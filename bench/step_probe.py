@@ -55,10 +55,21 @@ def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
     setattr(owner, name, wrapper)
 
 
+def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+        TOTALS["_gc_started"] = time.perf_counter()
+    else:
+        TOTALS[f"python gc (gen {info['generation']})"] += time.perf_counter() - TOTALS.pop("_gc_started", time.perf_counter())
+        COUNTS[f"python gc (gen {info['generation']})"] += 1
+
+
 def install_probes() -> None:
+    import gc
+
+    gc.callbacks.append(_gc_timer)
     from vllm.v1.worker.gpu_worker import Worker
 
-    from interlace.workers import calls, interleaver, saves
+    from interlace.workers import calls, interleaver, saves, sink
 
     timed(Worker, "execute_model", "runner.execute_model", debug_sync=False)
     timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
@@ -67,6 +78,8 @@ def install_probes() -> None:
     timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
     timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
     timed(saves, "host_copy", "saves.host_copy")
+    timed(saves.SaveLedger, "take", "reports: ledger.take (gather)")
+    timed(sink.DirSink, "write", "reports: sink.write (file)")
 
 
 def main() -> None:
