@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -80,19 +78,6 @@ class _ThreadPool:
 
 
 _POOL = _ThreadPool()
-
-_DEFAULT_SWITCH_S = sys.getswitchinterval()
-_HANDOFF_SWITCH_S = float(os.environ.get("INTERLACE_HANDOFF_SWITCH_S", "0.0001"))  # experiment knob
-
-
-def quick_handoffs(on: bool) -> None:
-    """Shorten Python's thread switch interval while program calls are live in a step.
-
-    Each access hands control between the engine thread and a program thread, and the woken side
-    must take the GIL. vLLM's own threads (e.g. the engine core's output serialisation) may hold it
-    meanwhile, and with the default 5 ms interval a handoff can wait that long, several times per
-    step."""
-    sys.setswitchinterval(_HANDOFF_SWITCH_S if on else _DEFAULT_SWITCH_S)
 
 
 class ProgramCall:

@@ -22,7 +22,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from interlace.workers.calls import ProgramCall, error_record, quick_handoffs
+from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
@@ -261,8 +261,6 @@ class Interleaver:
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
-        if self.step.calls:
-            quick_handoffs(True)
         for call, ctx in self.step.calls:
             call.start()
             self._after_resume(call, ctx)
@@ -286,8 +284,6 @@ class Interleaver:
                 if not self.stages.last:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
             self._close_call(call, ctx)
-        if step.calls:
-            quick_handoffs(False)
         self.step = None
         return step.carry
 
