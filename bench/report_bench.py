@@ -40,7 +40,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as root:
         started = time.perf_counter()
-        assembled = ledger.take("t", owners)
+        assembled = ledger.take("t", owners).assemble()
         t_assemble = time.perf_counter() - started
         reports = [{"trace": "t", "invoke": i, "stage": 0, "saves": s, "shared": [], "error": None}
                    for i, s in enumerate(assembled)]

@@ -86,6 +86,19 @@ def test_huge_saves_are_refused(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_a_save_that_cannot_be_written_fails_its_invoke_only(llama, oracles):
+    """Reports are written on a background thread; a save that cannot be serialised (a lock)
+    fails its invoke with a message, the other invoke's saves arrive, the engine serves on."""
+    import threading
+
+    with pytest.raises(interlace.InterventionError, match="invoke 0 failed at reporting results.*pickle") as err:
+        with llama.trace(max_tokens=2) as tr:
+            tr.invoke(PROMPT, program=lambda m: m.save("lock", threading.Lock()))
+            tr.invoke(PROMPT, program=lambda m: m.save("resid", m.layers[0].resid))
+    assert err.value.partial[1].saves["resid"].shape[0] == len(oracles["tiny-llama"].ids(PROMPT)) + 1
+    _still_serves(llama, oracles)
+
+
 def test_wrong_module_names(llama, oracles):
     with pytest.raises(interlace.InterventionError, match=r"no module 'mlpp' under 'layers.1'.*'mlp'"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].mlpp.output)

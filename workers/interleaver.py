@@ -13,6 +13,7 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import defaultdict
@@ -28,7 +29,8 @@ from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, short_name
-from interlace.workers.saves import SaveLedger
+from interlace.workers.reporter import Reporter
+from interlace.workers.saves import SaveLedger, TakenSaves
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
@@ -114,6 +116,7 @@ class Interleaver:
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
         self.op_plans: dict[tuple[str, str], OpPlan] = {}  # (trace, op key) -> the op and its invokes
         self.ledger = SaveLedger()
+        self.reporter = Reporter()
         self._slots = itertools.count()
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self.device = next(model.parameters()).device
@@ -176,19 +179,16 @@ class Interleaver:
             self._programs.clear()
 
     def _report(self, finished: list[InvokeState]) -> None:
-        """Write the finished invokes' reports, one batch per (sink, trace)."""
+        """Hand the finished invokes' reports to the reporter thread, one batch per (sink, trace)."""
         batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
         for state in finished:
             batches[(state.sink, state.trace)].append(state)
         stage = self.rank["pp_rank"]
         for (sink, trace), states in batches.items():
-            try:
-                rows = self.ledger.take(trace, [state.slot for state in states])
-                reports = [_report_of(state, stage, _with_objects(r, state.saves)) for state, r in zip(states, rows)]
-                open_sink(sink).write(trace, stage, reports)
-            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable save: report that instead
-                record = error_record(exc, where="reporting results")
-                open_sink(sink).write(trace, stage, [_report_of(state, stage, {}, record) for state in states])
+            taken = self.ledger.take(trace, [state.slot for state in states])
+            reports = [_report_of(state, stage) for state in states]
+            objects = [state.saves for state in states]
+            self.reporter.submit(functools.partial(_write_reports, sink, trace, stage, reports, taken, objects))
 
     # --- per step ------------------------------------------------------------------------------
 
@@ -500,15 +500,30 @@ class Interleaver:
 # --- helpers --------------------------------------------------------------------------------------
 
 
-def _report_of(state: InvokeState, stage: int, saves: dict, error: dict | None = None) -> dict:
-    return {
-        "trace": state.trace,
-        "invoke": state.invoke,
-        "stage": stage,
-        "saves": saves,
-        "shared": state.shared if error is None else [],
-        "error": state.error or error,
-    }
+def _report_of(state: InvokeState, stage: int) -> dict:
+    return {"trace": state.trace, "invoke": state.invoke, "stage": stage, "saves": {},
+            "shared": state.shared, "error": state.error}
+
+
+def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
+                   objects: list[dict[str, list]]) -> None:
+    """On the reporter thread: assemble the saves and write one batch of reports. If the batch
+    cannot be written (e.g. an unpicklable save), each report is written alone, and those that
+    still fail carry the error instead of their saves."""
+    try:
+        for report, rows, values in zip(reports, taken.assemble(), objects):
+            report["saves"] = _with_objects(rows, values)
+        open_sink(sink).write(trace, stage, reports)
+        return
+    except Exception as exc:  # noqa: BLE001
+        batch_error = error_record(exc, where="reporting results")
+    for report in reports:
+        try:
+            open_sink(sink).write(trace, stage, [report])
+        except Exception as exc:  # noqa: BLE001
+            record = error_record(exc, where="reporting results") if report["saves"] else batch_error
+            report.update(saves={}, shared=[], error=report["error"] or record)
+            open_sink(sink).write(trace, stage, [report])
 
 
 def _with_objects(rows: dict[str, Any], objects: dict[str, list]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ the host before it is reported. Reporting is then a host gather per name: for a 
 invokes x 128 steps x 4 names, four concatenations and four row selections, not 131,072 slices.
 
     ledger.add(trace, "l3", rows, owners=[slot, ...], ranges=[(start, stop), ...])
-    ledger.take(trace, [slot, ...])  ->  [{"l3": tensor}, ...]   (and forgets what it handed out)
+    ledger.take(trace, [slot, ...]).assemble()  ->  [{"l3": tensor}, ...]   (take forgets them)
 """
 
 from __future__ import annotations
@@ -60,10 +60,9 @@ class SaveLedger:
         self._chunks[trace].append(SaveChunk(name, rows, ready, np.array(owners, dtype=np.int64),
                                              bounds[:, 0], bounds[:, 1], len(owners)))
 
-    def take(self, trace: str, owners: list[int]) -> list[dict[str, torch.Tensor]]:
-        """Each owner's saves by name (rows of all its chunks, in save order, concatenated along
-        dim 0: a residual saved every step is the whole sequence's). Chunks every owner of which
-        has now been reported are dropped."""
+    def take(self, trace: str, owners: list[int]) -> "TakenSaves":
+        """The owners' saves, to assemble later (on any thread). Chunks every owner of which has
+        now been taken are dropped from the ledger."""
         wanted = np.array(owners, dtype=np.int64)
         by_name: dict[str, list[tuple[SaveChunk, np.ndarray]]] = defaultdict(list)
         kept = []
@@ -76,9 +75,22 @@ class SaveLedger:
                 kept.append(chunk)
         if kept:
             self._chunks[trace] = kept
-        results: list[dict[str, torch.Tensor]] = [{} for _ in owners]
-        for name, parts in by_name.items():
-            for i, value in _assemble(parts, wanted).items():
+        return TakenSaves(dict(by_name), wanted)
+
+
+@dataclass
+class TakenSaves:
+    """Saves handed out by :meth:`SaveLedger.take`."""
+
+    parts: dict[str, list[tuple[SaveChunk, np.ndarray]]]  # by name: chunks and which entries are wanted
+    wanted: np.ndarray  # the owners, in the order results come back
+
+    def assemble(self) -> list[dict[str, torch.Tensor]]:
+        """Each owner's saves by name: rows of all its chunks, in save order, concatenated along
+        dim 0 (a residual saved every step is the whole sequence's)."""
+        results: list[dict[str, torch.Tensor]] = [{} for _ in self.wanted]
+        for name, parts in self.parts.items():
+            for i, value in _assemble(parts, self.wanted).items():
                 results[i][name] = value
         return results
 

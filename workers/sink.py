@@ -27,8 +27,12 @@ class DirSink:
         folder = self.root / trace
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
-        with os.fdopen(fd, "wb") as f, _without_checksum():
-            torch.save(reports, f)
+        try:
+            with os.fdopen(fd, "wb") as f, _without_checksum():
+                torch.save(reports, f)
+        except BaseException:
+            os.unlink(tmp)
+            raise
         os.replace(tmp, folder / f"{stage}-{min(r['invoke'] for r in reports)}.pt")
 
 
