@@ -1,8 +1,9 @@
 """What an intervention program sees as ``m``.
 
 A program is called once per generation step (``m.step``: 0 is the prompt, then one per generated
-token) for one invoke, or, when it is marked batched, for every invoke of its trace that runs it at
-that step. The model is a tree that mirrors vLLM's module tree::
+token) for one invoke, or, when it is marked batched, once per scheduler step for every invoke of
+its trace that runs it (``m.steps[j]``: invoke j's step). The model is a tree that mirrors vLLM's
+module tree::
 
     def program(m):
         h = m.layers[3].resid                     # residual stream after layer 3: [rows, hidden]
