@@ -188,3 +188,42 @@ def test_data_dependent_failure_fails_on_every_rank_and_engine_serves(llama, ora
     with pytest.raises(interlace.InterventionError, match="branch taken at step 0"):
         llama.generate(ids, program=program, max_tokens=3)
     assert llama.generate(ids, max_tokens=4, ignore_eos=True).token_ids == oracle.greedy(ids, 4)
+
+
+def test_deferred_reductions_are_read_whole_or_refused(llama, oracles, layout):
+    """Some blocks leave their output as per-rank partial sums for a later all-reduce (vLLM's
+    ``reduce_results=False``, as in MoE layers). Emulated here on layer 0's MLP: its down_proj
+    output is read whole (reduced across ranks) and matches transformers; the MLP's own output,
+    which is then one rank's partial sum, is refused under TP rather than handed out, and read
+    as usual where there is one rank."""
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def defer(defer_reduction: bool):
+        llama.engine.collective_rpc("interlace_set_attribute",
+                                    args=("model.layers.0.mlp.down_proj", "reduce_results", not defer_reduction))
+
+    seen = {}
+    hf_mlp = oracle.layers[0].mlp
+    handles = [hf_mlp.down_proj.register_forward_hook(lambda _m, _a, out: seen.__setitem__("down", out[0])),
+               hf_mlp.register_forward_hook(lambda _m, _a, out: seen.__setitem__("mlp", out[0]))]
+    try:
+        oracle.run(ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+    defer(True)
+    try:
+        out = llama.generate(ids, program=lambda m: m.save("down", m.layers[0].mlp.down_proj.output[0]), max_tokens=1)
+        torch.testing.assert_close(out.saves["down"], seen["down"], atol=ATOL, rtol=ATOL)
+        read_mlp = lambda m: m.save("mlp", m.layers[0].mlp.output)  # noqa: E731
+        if layout[0] > 1:
+            with pytest.raises(interlace.InterventionError, match="split across tensor-parallel ranks"):
+                llama.generate(ids, program=read_mlp, max_tokens=1)
+        else:
+            torch.testing.assert_close(llama.generate(ids, program=read_mlp, max_tokens=1).saves["mlp"],
+                                       seen["mlp"], atol=ATOL, rtol=ATOL)
+    finally:
+        defer(False)
+    assert llama.generate(ids, max_tokens=4, ignore_eos=True).token_ids == oracle.greedy(ids, 4)

@@ -26,6 +26,18 @@ class InterlaceWorkerExtension:
         """Hooks currently installed (tests check that finished traces leave none behind)."""
         return self.model_runner._interlace.hooks.installed
 
+    def interlace_set_attribute(self, module: str, name: str, value) -> bool:
+        """Set an attribute of one of this rank's modules (tests use it to emulate model variants,
+        e.g. a block that defers its all-reduce); False where the module runs on another stage."""
+        runner = self.model_runner
+        try:
+            target = runner.model.get_submodule(module)
+        except AttributeError:
+            return False
+        setattr(target, name, value)
+        runner._interlace.tp.forget()  # values are classified once; the module changed
+        return True
+
 
 def _ensure_pp_receive_buffer(runner) -> None:
     """Allocate the pipeline receive buffer that CPU eager mode never warms up.

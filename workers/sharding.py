@@ -116,6 +116,10 @@ class TensorParallelLayout:
             self._cache[key] = self._classify(module, kind)
         return self._cache[key]
 
+    def forget(self) -> None:
+        """Classify values again on next use (a module was changed after start-up)."""
+        self._cache.clear()
+
     def full_parameter(self, module: str, name: str) -> torch.Tensor:
         """Parameter ``name`` of ``module`` as the unsharded model has it (a copy when gathered)."""
         mod = self.modules[module]
