@@ -78,16 +78,26 @@ class CallContext:
     invokes: list[InvokeState]
     req_rows: list[int]  # each invoke's request index in the layout (its logits/samples row)
     token_ranges: list[tuple[int, int]]  # each invoke's rows in the flat batch
-    positions: list[range]
+    first_positions: list[int]  # each invoke's first position in its sequence
     timeout_s: float
-    local_rows: list[slice] = field(default_factory=list)
 
     def __post_init__(self):
-        offset = 0
+        self.num_rows = sum(b - a for a, b in self.token_ranges)
+
+    # Built only when a program asks (a sweep's call would otherwise build 256 of each per step)
+
+    @functools.cached_property
+    def local_rows(self) -> list[slice]:
+        """Each invoke's rows within the values this call reads (stacked in invoke order)."""
+        rows, offset = [], 0
         for a, b in self.token_ranges:
-            self.local_rows.append(slice(offset, offset + b - a))
+            rows.append(slice(offset, offset + b - a))
             offset += b - a
-        self.num_rows = offset
+        return rows
+
+    @functools.cached_property
+    def positions(self) -> list[range]:
+        return [range(f, f + b - a) for f, (a, b) in zip(self.first_positions, self.token_ranges)]
 
 
 @dataclass
@@ -251,7 +261,7 @@ class Interleaver:
                 invokes=[m[1] for m in members],
                 req_rows=[m[0] for m in members],
                 token_ranges=[(m[2], m[3]) for m in members],
-                positions=[range(m[4], m[4] + m[3] - m[2]) for m in members],
+                first_positions=[m[4] for m in members],
                 timeout_s=members[0][1].timeout_s,
             )
             view = ProgramView(ctx)
