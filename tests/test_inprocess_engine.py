@@ -1,0 +1,28 @@
+"""An engine core running in the driver's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, how
+people debug vLLM) still delivers reports: nothing else steps it after ``generate()``, and
+workers learn which requests finished only in a step. Run in a child process so the engine's
+process-wide state stays out of the test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def test_saves_arrive_from_an_in_process_engine():
+    script = textwrap.dedent("""
+        import interlace
+        from interlace import ops
+
+        if __name__ == "__main__":
+            model = interlace.Model("tiny-llama")
+            out = model.generate("The capital of France is", ops=[ops.save("layers.1.resid", tokens="last")],
+                                 max_tokens=3, ignore_eos=True)
+            print("SHAPE", tuple(out.saves["layers.1.resid"].shape), type(model.engine.llm_engine.engine_core).__name__)
+            model.close()
+    """)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "SHAPE (3, 128) InprocClient" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
