@@ -45,7 +45,7 @@ from interlace.trace import (
 )
 from interlace.workers.points import ModuleTree
 from interlace.workers.scheduler import GANG_KEY, WHOLE_PROMPT_KEY
-from interlace.workers.sink import read_new_reports
+from interlace.workers.sink import read_new_reports, writing_reports
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
 _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
@@ -177,6 +177,9 @@ class Model:
             if not wanted:
                 break
             if time.monotonic() > deadline:
+                if writing_reports(self._sink_root):  # reports are written in order; one is under way
+                    deadline = time.monotonic() + _REPORT_GRACE_S
+                    continue
                 raise RuntimeError(f"trace {trace_id}: no report from (invoke, stage) {sorted(wanted)} "
                                    f"within {_REPORT_GRACE_S:.0f}s; a worker may have died")
             time.sleep(0.002)

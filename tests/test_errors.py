@@ -135,3 +135,30 @@ def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):
     finally:
         del sys.modules["not_on_the_worker"]
     _still_serves(llama, oracles)
+
+
+def test_report_grace_waits_while_a_report_is_being_written(llama, monkeypatch):
+    """The driver gives workers a grace period for reports after generation; a report still
+    being written (reports are written in order, off the engine thread) extends it, and nothing
+    at all past it fails with a message instead of waiting forever."""
+    import threading
+
+    import interlace.model
+    from interlace.workers.sink import DirSink
+
+    monkeypatch.setattr(interlace.model, "_REPORT_GRACE_S", 0.5)
+    root = llama._sink_root
+    (root / "slow-trace").mkdir()
+    partial = root / "slow-trace" / ".partial-123"
+    partial.write_bytes(b"")
+
+    def finish_later():
+        time.sleep(1.5)
+        DirSink(str(root)).write("slow-trace", 0, [{"trace": "slow-trace", "invoke": 0, "stage": 0,
+                                                     "saves": {}, "shared": [], "error": None}])
+        partial.unlink()
+
+    threading.Thread(target=finish_later).start()
+    assert llama._collect("slow-trace", [0])[0][0]["invoke"] == 0
+    with pytest.raises(RuntimeError, match="no report from .* within 0s; a worker may have died"):
+        llama._collect("silent-trace", [0])

@@ -60,6 +60,11 @@ def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
     return reports
 
 
+def writing_reports(root: Path) -> bool:
+    """Whether some rank is writing a report under ``root`` right now (its workers are alive)."""
+    return any(root.glob("*/.partial-*"))
+
+
 def open_sink(spec: str) -> DirSink:
     kind, _, where = spec.partition(":")
     if kind == "dir":
