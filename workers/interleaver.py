@@ -30,7 +30,7 @@ from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, short_name
 from interlace.workers.reporter import Reporter
-from interlace.workers.saves import SaveLedger, TakenSaves
+from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, host_copy
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.view import ProgramView
@@ -429,8 +429,11 @@ class Interleaver:
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu", copy=True)
-            parts = [value[a:b].clone() for a, b in _split_ranges(ctx, value, "share")]
+            ranges = _split_ranges(ctx, value, "share")
+            if self.rank["tp_rank"] != 0:  # only TP rank 0 reports
+                return
+            rows, ready = host_copy(value)
+            parts = [HostRows(rows, ready, a, b) for a, b in ranges]
         elif len(ctx.invokes) == 1:
             parts = [value]
         else:
@@ -521,6 +524,9 @@ def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken
     cannot be written (e.g. an unpicklable save), each report is written alone, and those that
     still fail carry the error instead of their saves."""
     try:
+        for report in reports:
+            report["shared"] = [(name, how, v.get() if isinstance(v, HostRows) else v)
+                                for name, how, v in report["shared"]]
         for report, rows, values in zip(reports, taken.assemble(), objects):
             report["saves"] = _with_objects(rows, values)
         open_sink(sink).write(trace, stage, reports)

@@ -47,6 +47,24 @@ def host_copy(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
     return host, ready
 
 
+class HostRows:
+    """Rows ``start:stop`` of a :func:`host_copy` that may still be in flight; :meth:`get` (on the
+    reporter thread) waits for it. Shared contributions travel like this, so ``share()`` at every
+    step never makes the engine wait for the GPU."""
+
+    __slots__ = ("rows", "ready", "start", "stop")
+
+    def __init__(self, rows: torch.Tensor, ready: torch.cuda.Event | None, start: int, stop: int):
+        self.rows, self.ready, self.start, self.stop = rows, ready, start, stop
+
+    def get(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.rows.dim() == 0 or (self.start, self.stop) == (0, len(self.rows)):
+            return self.rows
+        return self.rows[self.start : self.stop].clone()  # own storage: a view would pickle it all
+
+
 class SaveLedger:
     """Every tensor of rows saved on this rank, by trace, until its invokes are reported."""
 
