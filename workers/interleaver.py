@@ -99,6 +99,11 @@ class CallContext:
     def positions(self) -> list[range]:
         return [range(f, f + b - a) for f, (a, b) in zip(self.first_positions, self.token_ranges)]
 
+    def step_words(self) -> str:
+        """"step 3", or "steps [2, 3]" for a batched call over invokes at different steps."""
+        steps = sorted(set(self.steps))
+        return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+
 
 @dataclass
 class Step:
@@ -503,7 +508,7 @@ class Interleaver:
         present = sorted(inv.invoke for inv in self.invokes.values()
                          if inv.trace == trace and inv.req_id in self.step.layout.req_ids)
         return (
-            f"recv({name!r}) at step {ctx.steps[0] if len(set(ctx.steps)) == 1 else sorted(set(ctx.steps))}: no invoke of this trace sent {name!r} in this "
+            f"recv({name!r}) at {ctx.step_words()}: no invoke of this trace sent {name!r} in this "
             f"step. Invokes of the trace scheduled in this step: {present}. The sender must be "
             "scheduled in the same step as the receiver (prompts that fit one step together are) "
             "and call send() in that step."

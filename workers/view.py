@@ -188,9 +188,7 @@ class ProgramView:
         self._write(self._tree.point(name), value)
 
     def where(self) -> str:
-        steps = sorted(set(self._ctx.steps))
-        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
-        return where + (f", at {self._current}" if self._current else "")
+        return self._ctx.step_words() + (f", at {self._current}" if self._current else "")
 
     # --- interleaving (called from the program thread) -------------------------------------------
 
