@@ -8,6 +8,7 @@ mode, switched on only while interlace code runs), the usual reason a hook stall
 asynchronous scheduling.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
+       [--no-baseline]
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--in", dest="inp", type=int, default=128)
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the 'none' case (e.g. under a profiler)")
     args = parser.parse_args()
 
     import interlace
@@ -102,7 +104,7 @@ def main() -> None:
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
     install_probes()
-    for name in ["none", *args.cases.split(",")]:
+    for name in ([] if args.no_baseline else ["none"]) + args.cases.split(","):
         for warm in (True, False):
             TOTALS.clear(), COUNTS.clear(), SYNCS.clear()
             seconds, tokens, saved = run_interlace(model, data, args.out, cases[name])
