@@ -532,9 +532,10 @@ def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken
         for report in reports:
             report["shared"] = [(name, how, v.get() if isinstance(v, HostRows) else v)
                                 for name, how, v in report["shared"]]
-        for report, rows, values in zip(reports, taken.assemble(), objects):
-            report["saves"] = _with_objects(rows, values)
-        open_sink(sink).write(trace, stage, reports)
+        with open_sink(sink).batch(trace, stage) as batch:  # rows are gathered straight into the file
+            for report, rows, values in zip(reports, taken.assemble(batch.allocate), objects):
+                report["saves"] = _with_objects(rows, values)
+            batch.finish(reports)
         return
     except Exception as exc:  # noqa: BLE001
         batch_error = error_record(exc, where="reporting results")

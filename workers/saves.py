@@ -9,12 +9,14 @@ invokes x 128 steps x 4 names, four concatenations and four row selections, not 
 
     ledger.add(trace, "l3", rows, owners=[slot, ...], ranges=[(start, stop), ...])
     ledger.take(trace, [slot, ...]).assemble()  ->  [{"l3": tensor}, ...]   (take forgets them)
+    ...assemble(batch.allocate)                  the same, gathered straight into a report file
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -96,6 +98,14 @@ class SaveLedger:
         return TakenSaves(dict(by_name), wanted)
 
 
+Allocate = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
+
+
+def host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """The default :data:`Allocate`: fresh host tensors."""
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+
+
 @dataclass
 class TakenSaves:
     """Saves handed out by :meth:`SaveLedger.take`."""
@@ -103,20 +113,47 @@ class TakenSaves:
     parts: dict[str, list[tuple[SaveChunk, np.ndarray]]]  # by name: chunks and which entries are wanted
     wanted: np.ndarray  # the owners, in the order results come back
 
-    def assemble(self) -> list[dict[str, torch.Tensor]]:
+    def assemble(self, allocate: Allocate = host_tensors) -> list[dict[str, Any]]:
         """Each owner's saves by name: rows of all its chunks, in save order, concatenated along
-        dim 0 (a residual saved every step is the whole sequence's)."""
-        results: list[dict[str, torch.Tensor]] = [{} for _ in self.wanted]
-        for name, parts in self.parts.items():
-            for i, value in _assemble(parts, self.wanted).items():
+        dim 0 (a residual saved every step is the whole sequence's).
+
+        Each name's rows are gathered into one tensor that ``allocate`` gives for its shape and
+        dtype (all at once, sizes known before any byte moves: a report file's data region, so
+        that gathering is writing); each owner's result is a view of it.
+        """
+        plans = {name: _plan(parts, self.wanted) for name, parts in self.parts.items()}
+        gathers = {name: plan for name, plan in plans.items() if isinstance(plan, _Gather)}
+        into = dict(zip(gathers, allocate([(g.shape, g.dtype) for g in gathers.values()])))
+        results: list[dict[str, Any]] = [{} for _ in self.wanted]
+        for name, plan in plans.items():
+            for i, value in (plan.into(into[name]) if name in into else plan).items():
                 results[i][name] = value
         return results
 
 
-def _assemble(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> dict[int, torch.Tensor]:
-    """One name's rows for each wanted owner (by index into ``wanted``), gathered into one tensor
-    with one indexed copy per chunk; each result is a view of that tensor, so a report file stores
-    it once and the driver maps it without copying."""
+@dataclass
+class _Gather:
+    """One name's rows, planned: the tensor they are gathered into, and which rows go where."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk: its rows taken, their destination rows
+    owners: list[int]  # index into ``wanted`` of each owner with rows, in destination order
+    counts: list[int]  # each such owner's number of rows
+
+    def into(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
+        for rows, dest in self.copies:  # ``dest`` ascends
+            if len(dest) and int(dest[-1]) - int(dest[0]) + 1 == len(dest):
+                out[int(dest[0]) : int(dest[-1]) + 1].copy_(rows)  # one run (e.g. a single invoke)
+            elif len(dest):
+                out.index_copy_(0, dest, rows)
+        return dict(zip(self.owners, out.split(self.counts)))
+
+
+def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gather | dict[int, object]:
+    """Where one name's rows go for each wanted owner (by index into ``wanted``): one indexed
+    copy per chunk into one tensor, each result a view of it, so a report file stores it once
+    and the driver maps it without copying. Rows of different shapes are assembled at once."""
     for chunk, _ in parts:
         if chunk.ready is not None:
             chunk.ready.synchronize()
@@ -135,16 +172,16 @@ def _assemble(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> 
     row_source = np.repeat(start - np.cumsum(length) + length, length) + np.arange(length.sum())
     by_chunk = np.argsort(row_chunk, kind="stable")  # destination rows grouped by source chunk
     bounds = np.cumsum([0] + np.bincount(row_chunk, minlength=len(parts)).tolist())
-    first = parts[0][0].rows
-    out = torch.empty((int(length.sum()), *first.shape[1:]), dtype=first.dtype)
+    copies = []
     for i, (c, _) in enumerate(parts):
         dest = by_chunk[bounds[i] : bounds[i + 1]]
         source = row_source[dest]
         rows = c.rows if np.array_equal(source, np.arange(len(c.rows))) else c.rows[torch.from_numpy(source)]
-        out.index_copy_(0, torch.from_numpy(dest), rows)
+        copies.append((rows, torch.from_numpy(dest)))
     present = np.unique(invoke)
     counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
-    return dict(zip(present.tolist(), out.split(counts.tolist())))
+    first = parts[0][0].rows
+    return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist())
 
 
 def _assemble_unlike(parts: list[tuple[SaveChunk, np.ndarray]], invoke: np.ndarray) -> dict[int, object]:

@@ -1,9 +1,10 @@
 """Report sinks: where a rank sends finished invokes' saves, shared values and errors.
 
 Reports bypass vLLM's engine-core process, so large tensors never travel through it. For a single
-local engine the sink is a folder (``dir:/path``): one file per batch of invokes a rank reported
-together (a trace's invokes usually finish in the same step), written atomically; the driver
-reads them as they appear. The cluster's collector actor is another sink kind.
+local engine the sink is a folder (``dir:/path``): one report file (:mod:`report_file`) per batch
+of invokes a rank reported together (a trace's invokes usually finish in the same step), written
+under a ``.partial-*`` name and renamed into place once complete; the driver reads them as they
+appear. The cluster's collector actor is another sink kind.
 """
 
 from __future__ import annotations
@@ -12,51 +13,52 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
-import torch
-import torch.utils.serialization
+from interlace.workers.report_file import ReportFileWriter, read_report_file
+
+SUFFIX = ".reports"
 
 
 class DirSink:
     def __init__(self, root: str):
         self.root = Path(root)
 
-    def write(self, trace: str, stage: int, reports: list[dict]) -> None:
-        """One file per batch: ``<trace>/<stage>-<first invoke>.pt`` is unique because a stage
-        reports each invoke once."""
+    @contextlib.contextmanager
+    def batch(self, trace: str, stage: int) -> Iterator[ReportFileWriter]:
+        """A batch file being written: gather saves into ``batch.allocate(...)``'s tensors, then
+        ``batch.finish(reports)``. It appears as ``<trace>/<stage>-<first invoke>.reports`` (unique:
+        a stage reports each invoke once) when the block ends; a failure leaves no file behind."""
         folder = self.root / trace
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
         try:
-            with os.fdopen(fd, "wb") as f, _without_checksum():
-                torch.save(reports, f)
+            batch = ReportFileWriter(fd)
+            yield batch
+            if batch.reports is None:
+                raise RuntimeError("a report batch ended without finish(reports)")
         except BaseException:
-            os.unlink(tmp)
+            os.close(fd)
+            os.unlink(tmp)  # saves already gathered into it stay readable: their mapping outlives the name
             raise
-        os.replace(tmp, folder / f"{stage}-{min(r['invoke'] for r in reports)}.pt")
+        os.close(fd)
+        os.replace(tmp, folder / f"{stage}-{min(r['invoke'] for r in batch.reports)}{SUFFIX}")
 
-
-@contextlib.contextmanager
-def _without_checksum():
-    """torch.save's CRC-32 of every byte takes ten times as long as writing them (1.4 s of 1.56 s
-    for 512 MiB on 2 cores); a report lives on this machine for seconds and is renamed into place
-    only once complete, so the checksum guards nothing here."""
-    config = torch.utils.serialization.config.save
-    before = config.compute_crc32
-    config.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.compute_crc32 = before
+    def write(self, trace: str, stage: int, reports: list[dict]) -> None:
+        """A batch whose tensors are all pickled in its header (none gathered into the file)."""
+        with self.batch(trace, stage) as batch:
+            batch.finish(reports)
 
 
 def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
-    """Reports in batch files of ``folder`` not read before (their names are added to ``seen``)."""
+    """Reports in batch files of ``folder`` not read before (their names are added to ``seen``).
+    Saved rows are views of the file, mapped copy-on-write: not copied, and removing the folder
+    afterwards is safe."""
     reports: list[dict] = []
-    for path in sorted(folder.glob("*.pt")) if folder.exists() else ():
+    for path in sorted(folder.glob(f"*{SUFFIX}")) if folder.exists() else ():
         if path.name not in seen:
             seen.add(path.name)
-            reports += torch.load(path, weights_only=False, mmap=True)  # tensors map the file: no copy
+            reports += read_report_file(path)
     return reports
 
 

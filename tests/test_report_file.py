@@ -1,0 +1,100 @@
+"""The report batch file, without an engine: saves gathered into the file come back as views of
+one mapping, everything else round-trips through the header, and a failed write leaves nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from interlace.workers.saves import SaveChunk, TakenSaves
+from interlace.workers.sink import DirSink, read_new_reports
+
+
+def _chunk(name: str, rows: torch.Tensor, owners: list[int], ranges: list[tuple[int, int]]) -> SaveChunk:
+    bounds = np.array(ranges, dtype=np.int64).reshape(-1, 2)
+    return SaveChunk(name, rows, None, np.array(owners, dtype=np.int64), bounds[:, 0], bounds[:, 1], len(owners))
+
+
+def _taken() -> TakenSaves:
+    """Invokes 0..2: "resid" (bfloat16) saved at two steps by all three; "probs" (float32, 3-d)
+    by invokes 2 and 0 only, in that order of rows."""
+    torch.manual_seed(0)
+    step0, step1 = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16)
+    probs = torch.randn(3, 2, 4)
+    everyone = np.ones(3, dtype=bool)
+    return TakenSaves({
+        "resid": [(_chunk("resid", step0, [0, 1, 2], [(0, 2), (2, 4), (4, 6)]), everyone),
+                  (_chunk("resid", step1, [0, 1, 2], [(0, 1), (1, 2), (2, 3)]), everyone)],
+        "probs": [(_chunk("probs", probs, [2, 0], [(0, 1), (1, 3)]), np.ones(2, dtype=bool))],
+    }, np.array([0, 1, 2]))
+
+
+def _report(invoke: int, saves: dict, **extra) -> dict:
+    return {"trace": "t", "invoke": invoke, "stage": 0, "saves": saves, "shared": [], "error": None} | extra
+
+
+def test_saves_gathered_into_the_file_come_back_as_views_of_one_mapping(tmp_path):
+    taken = _taken()
+    expected = taken.assemble()  # the same gather into ordinary host tensors
+    small = torch.arange(5, dtype=torch.float32)
+    with DirSink(str(tmp_path)).batch("t", 0) as batch:
+        saves = taken.assemble(batch.allocate)
+        saves[1]["note"] = {"text": "kept", "n": [1, 2.5, None]}  # not a tensor
+        batch.finish([_report(i + 3, s, shared=[("total", "sum", small)]) for i, s in enumerate(saves)])
+    assert [p.name for p in (tmp_path / "t").iterdir()] == ["0-3.reports"]
+
+    back = read_new_reports(tmp_path / "t", set())
+    assert [r["invoke"] for r in back] == [3, 4, 5]
+    for report, want in zip(back, expected):
+        assert report["saves"].keys() - {"note"} == want.keys()
+        for name, value in want.items():
+            assert report["saves"][name].dtype == value.dtype and torch.equal(report["saves"][name], value)
+    assert back[1]["saves"]["note"] == {"text": "kept", "n": [1, 2.5, None]}
+    assert torch.equal(back[2]["shared"][0][2], small)  # a tensor not in the file's data region
+    mapped = {r["saves"][name].untyped_storage().data_ptr() for r in back for name in ("resid", "probs") if name in r["saves"]}
+    assert len(mapped) == 1  # bfloat16 and float32 rows alike: views of one mapping
+    assert back[2]["shared"][0][2].untyped_storage().data_ptr() not in mapped
+
+    back[0]["saves"]["resid"].zero_()  # the mapping is private: editing a result leaves the file as it was
+    again = read_new_reports(tmp_path / "t", set())
+    assert torch.equal(again[0]["saves"]["resid"], expected[0]["resid"])
+
+
+def test_results_stay_readable_after_the_folder_is_removed(tmp_path):
+    taken = _taken()
+    with DirSink(str(tmp_path)).batch("t", 0) as batch:
+        batch.finish([_report(i, s) for i, s in enumerate(taken.assemble(batch.allocate))])
+    back = read_new_reports(tmp_path / "t", set())
+    for path in (tmp_path / "t").iterdir():
+        path.unlink()
+    assert torch.equal(back[2]["saves"]["probs"], taken.assemble()[2]["probs"])
+
+
+def test_empty_saves_and_reports_without_rows(tmp_path):
+    sink = DirSink(str(tmp_path))
+    with sink.batch("t", 1) as batch:
+        none = TakenSaves({}, np.array([0, 1])).assemble(batch.allocate)
+        batch.finish([_report(i, s, stage=1) for i, s in enumerate(none)])
+    sink.write("t", 0, [_report(7, {}, error={"message": "boom"})])
+    back = read_new_reports(tmp_path / "t", set())
+    assert [(r["stage"], r["invoke"], r["saves"], r["error"]) for r in back] == [
+        (0, 7, {}, {"message": "boom"}), (1, 0, {}, None), (1, 1, {}, None)]
+
+
+def test_a_failed_write_leaves_no_file_and_the_rows_readable(tmp_path):
+    taken = _taken()
+    sink = DirSink(str(tmp_path))
+    with pytest.raises(TypeError, match="pickle"):
+        with sink.batch("t", 0) as batch:
+            saves = taken.assemble(batch.allocate)
+            batch.finish([_report(0, {**saves[0], "lock": threading.Lock()})])
+    assert list((tmp_path / "t").iterdir()) == []
+    # the fallback writes the report alone: its rows, views of the abandoned mapping, are pickled
+    # whole, with only their own bytes
+    sink.write("t", 0, [_report(0, saves[0])])
+    (path,) = (tmp_path / "t").iterdir()
+    assert path.stat().st_size < 4096
+    assert torch.equal(read_new_reports(tmp_path / "t", set())[0]["saves"]["resid"], taken.assemble()[0]["resid"])
