@@ -14,13 +14,13 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import torch
 
 from interlace.workers.calls import ProgramCall, error_record
@@ -28,11 +28,12 @@ from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
-from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, short_name
+from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, device_index, short_name
 from interlace.workers.reporter import Reporter
 from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, host_copy
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
+from interlace.workers.slots import SlotTable
 from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
@@ -44,7 +45,7 @@ class InvokeState:
     """Long-lived state of one intervened request on this rank."""
 
     req_id: str
-    slot: int  # this rank's number for the invoke (saved rows record their owners by it)
+    slot: int  # this rank's number for the invoke: its row in the SlotTable, and saved rows' owner
     trace: str
     invoke: int
     prompt_len: int
@@ -58,13 +59,29 @@ class InvokeState:
     saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
     error: dict | None = None
-    save_bytes: int = 0
-    next_position: int = 0  # where the next scheduled chunk must start; less means recomputation
-    scheduled: tuple = ()  # this step: (layout index, start row, stop row, first position, final chunk, step)
 
     def fail(self, record: dict) -> None:
         if self.error is None:
             self.error = record
+
+
+@dataclass
+class Scheduled:
+    """This step's live invokes (scheduled, not failed), in batch order, as arrays."""
+
+    states: list[InvokeState]
+    slots: np.ndarray
+    req_rows: np.ndarray  # each invoke's request index in the layout (its logits/samples row)
+    starts: np.ndarray  # its rows starts[i]:stops[i] of the flat token batch
+    stops: np.ndarray
+    firsts: np.ndarray  # the position of its first row in its sequence
+    final: np.ndarray  # whether this chunk ends its prompt (always, once decoding)
+    steps: np.ndarray  # its generation step
+
+    def pick(self, index: np.ndarray) -> "Scheduled":
+        return Scheduled([self.states[i] for i in index.tolist()], self.slots[index], self.req_rows[index],
+                         self.starts[index], self.stops[index], self.firsts[index], self.final[index],
+                         self.steps[index])
 
 
 @dataclass
@@ -74,30 +91,43 @@ class CallContext:
     key: str  # the group key: names the call to the next pipeline stage
     tree: ModuleTree
     services: "Interleaver"
-    steps: list[int]  # each invoke's generation step
-    invokes: list[InvokeState]
-    req_rows: list[int]  # each invoke's request index in the layout (its logits/samples row)
-    token_ranges: list[tuple[int, int]]  # each invoke's rows in the flat batch
-    first_positions: list[int]  # each invoke's first position in its sequence
+    members: Scheduled  # the call's invokes, in invoke order
     timeout_s: float
 
     def __post_init__(self):
-        self.num_rows = sum(b - a for a, b in self.token_ranges)
+        self.invokes = self.members.states
+        self.lengths = self.members.stops - self.members.starts
+        self.num_rows = int(self.lengths.sum())
+        self.local_stops = np.cumsum(self.lengths)  # invoke j's rows of the values this call reads
+        self.local_starts = self.local_stops - self.lengths
 
-    # Built only when a program asks (a sweep's call would otherwise build 256 of each per step)
+    # Built only when asked for (a sweep's call would otherwise build 256 of each per step)
+
+    @functools.cached_property
+    def steps(self) -> list[int]:
+        return self.members.steps.tolist()
 
     @functools.cached_property
     def local_rows(self) -> list[slice]:
         """Each invoke's rows within the values this call reads (stacked in invoke order)."""
-        rows, offset = [], 0
-        for a, b in self.token_ranges:
-            rows.append(slice(offset, offset + b - a))
-            offset += b - a
-        return rows
+        return [slice(a, b) for a, b in zip(self.local_starts.tolist(), self.local_stops.tolist())]
 
     @functools.cached_property
     def positions(self) -> list[range]:
-        return [range(f, f + b - a) for f, (a, b) in zip(self.first_positions, self.token_ranges)]
+        return [range(f, f + n) for f, n in zip(self.members.firsts.tolist(), self.lengths.tolist())]
+
+    @functools.cached_property
+    def token_rows(self) -> Rows:
+        return Rows.of(self.members.starts, self.members.stops, self.services.device)
+
+    @functools.cached_property
+    def request_rows(self) -> Rows:
+        return Rows.at(self.members.req_rows, self.services.device)
+
+    @functools.cached_property
+    def last_rows(self) -> torch.Tensor:
+        """Each invoke's last row within the values this call reads, as a device index."""
+        return device_index(torch.from_numpy(self.local_stops - 1), self.services.device)
 
     def step_words(self) -> str:
         """"step 3", or "steps [2, 3]" for a batched call over invokes at different steps."""
@@ -132,7 +162,7 @@ class Interleaver:
         self.op_plans: dict[tuple[str, str], OpPlan] = {}  # (trace, op key) -> the op and its invokes
         self.ledger = SaveLedger()
         self.reporter = Reporter()
-        self._slots = itertools.count()
+        self.slots = SlotTable()
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self.device = next(model.parameters()).device
 
@@ -146,7 +176,7 @@ class Interleaver:
         payload = cloudpickle.loads(payload_bytes)
         state = InvokeState(
             req_id=req_id,
-            slot=next(self._slots),
+            slot=self.slots.add(prompt_len, payload["max_save_bytes"]),
             trace=payload["trace"],
             invoke=payload["invoke"],
             prompt_len=prompt_len,
@@ -176,7 +206,7 @@ class Interleaver:
                 key = (state.trace, op.get("key", str(id(op))))  # a plan's saves belong to one trace
                 if key not in self.op_plans:
                     self.op_plans[key] = OpPlan(_op_on_device(op, self.device))
-                self.op_plans[key].members.append(state)
+                self.op_plans[key].add(state)
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
@@ -185,11 +215,13 @@ class Interleaver:
         if finished and self.op_plans:
             gone = {id(state) for state in finished}
             for key, plan in list(self.op_plans.items()):
-                plan.members = [m for m in plan.members if id(m) not in gone]
+                plan.drop(gone)
                 if not plan.members:
                     del self.op_plans[key]
         if finished and self.rank["tp_rank"] == 0:  # one report per TP group; every PP stage reports
             self._report(finished)
+        for state in finished:  # after the report: the ledger has let go of the slot's rows
+            self.slots.remove(state.slot)
         if not self.invokes:
             self._programs.clear()
 
@@ -208,69 +240,30 @@ class Interleaver:
     # --- per step ------------------------------------------------------------------------------
 
     def begin_step(self, layout: BatchLayout) -> None:
-        # One call per group for the whole scheduler step: a batched sweep's invokes run together
-        # even when vLLM admitted their prompts in different steps (so their generation steps differ)
-        groups: dict[str, list[tuple[int, InvokeState, int, int, int, int]]] = defaultdict(list)
-        for state in self.invokes.values():
-            state.scheduled = ()
-        starts, firsts = layout.row_starts.tolist(), layout.first_positions.tolist()  # plain ints: fast
-        for i, req_id in enumerate(layout.req_ids):
-            state = self.invokes.get(req_id)
-            if state is None or state.error is not None:
-                continue
-            start, stop, first = starts[i], starts[i + 1], firsts[i]
-            end = first + (stop - start)
-            if first < state.next_position:
-                state.fail(error_record(RuntimeError(
-                    f"vLLM preempted this request and recomputed it from position {first} (KV cache "
-                    "pressure); interventions already applied cannot be replayed exactly. Give the "
-                    "engine more KV cache or run fewer requests at once"), where=f"position {first}"))
-                continue
-            state.next_position = end
-            final_chunk = end >= state.prompt_len
-            prog_step = max(0, end - state.prompt_len)
-            state.scheduled = (i, start, stop, first, final_chunk, prog_step)
-            if state.program is None or (state.steps is not None and prog_step not in state.steps):
-                continue
-            if not final_chunk or (prog_step == 0 and first > 0):
-                state.fail(error_record(RuntimeError(
-                    f"the prompt ({state.prompt_len} tokens) was split across scheduler steps by "
-                    "chunked prefill (it is longer than the engine's max_num_batched_tokens), so a "
-                    "program cannot see it whole at step 0; start the engine with a larger "
-                    "max_num_batched_tokens or enable_chunked_prefill=False, or use declarative ops, "
-                    "which handle chunks exactly"), where="step 0"))
-                continue
-            groups[state.group_key].append((i, state, start, stop, first, prog_step))
+        scheduled = self._schedule(layout)
+        groups, failed = self._program_groups(scheduled)
+        if failed:  # prompts a program cannot see whole: no ops for them either
+            scheduled = scheduled.pick(np.array([j for j, s in enumerate(scheduled.states) if s.error is None], np.int64))
         ops: dict[Point, list[StepOp]] = defaultdict(list)
-        for plan in self.op_plans.values():  # one list comprehension per op, not a call per invoke
-            step_op = plan.for_step()
+        for plan in self.op_plans.values():  # array arithmetic per op, nothing per invoke
+            step_op = plan.for_step(scheduled)
             if step_op is not None:
                 ops[plan.point].append(step_op)
         self.step = Step(layout, [], ops)
         carry_in, self.carry_in = self.carry_in, {}
         for group_key, members in groups.items():
-            members.sort(key=lambda m: m[1].invoke)
             carried = carry_in.get(group_key)
             if carried is not None and carried.status != "suspended":
                 # finished or failed on an earlier stage: nothing left to run here
                 self.step.carry[group_key] = carried
-                for m in members:
+                for state in members.states:
                     if carried.error is not None:
-                        m[1].fail(carried.error)
+                        state.fail(carried.error)
                 continue
-            ctx = CallContext(
-                key=group_key,
-                tree=self.tree,
-                services=self,
-                steps=[m[5] for m in members],
-                invokes=[m[1] for m in members],
-                req_rows=[m[0] for m in members],
-                token_ranges=[(m[2], m[3]) for m in members],
-                first_positions=[m[4] for m in members],
-                timeout_s=members[0][1].timeout_s,
-            )
+            ctx = CallContext(key=group_key, tree=self.tree, services=self, members=members,
+                              timeout_s=members.states[0].timeout_s)
             view = ProgramView(ctx)
-            call = ProgramCall(members[0][1].program, view, budget_s=ctx.timeout_s,
+            call = ProgramCall(members.states[0].program, view, budget_s=ctx.timeout_s,
                                replay=carried.values if carried is not None else None,
                                keep_log=not self.stages.last)
             object.__setattr__(view, "_call", call)
@@ -280,6 +273,58 @@ class Interleaver:
             call.start()
             self._after_resume(call, ctx)
             self._pump(self.step)
+
+    def _schedule(self, layout: BatchLayout) -> Scheduled:
+        """This step's live invokes as arrays; fails those whose rows vLLM is recomputing."""
+        states = list(map(self.invokes.get, layout.req_ids))
+        picked = [i for i, state in enumerate(states) if state is not None and state.error is None]
+        index = np.array(picked, dtype=np.int64)
+        slots = np.fromiter((states[i].slot for i in picked), np.int64, len(picked))
+        starts, stops = layout.row_starts[index], layout.row_starts[index + 1]
+        firsts = layout.first_positions[index]
+        ends = firsts + (stops - starts)
+        prompt_len = self.slots.prompt_len[slots]
+        scheduled = Scheduled([states[i] for i in picked], slots, index, starts, stops, firsts,
+                              ends >= prompt_len, np.maximum(0, ends - prompt_len))
+        recomputed = firsts < self.slots.next_position[slots]
+        self.slots.next_position[slots] = np.maximum(ends, self.slots.next_position[slots])
+        if not recomputed.any():
+            return scheduled
+        for j in np.flatnonzero(recomputed).tolist():
+            scheduled.states[j].fail(error_record(RuntimeError(
+                f"vLLM preempted this request and recomputed it from position {firsts[j]} (KV cache "
+                "pressure); interventions already applied cannot be replayed exactly. Give the "
+                "engine more KV cache or run fewer requests at once"), where=f"position {firsts[j]}"))
+        return scheduled.pick(np.flatnonzero(~recomputed))
+
+    def _program_groups(self, scheduled: Scheduled) -> tuple[dict[str, Scheduled], bool]:
+        """The invokes whose program runs this step, by group (one call each), in invoke order,
+        and whether any failed (a prompt split by chunked prefill).
+
+        One call per group for the whole scheduler step: a batched sweep's invokes run together
+        even when vLLM admitted their prompts in different steps (so their generation steps differ).
+        """
+        groups: dict[str, list[int]] = defaultdict(list)
+        for j, state in enumerate(scheduled.states):
+            if state.program is not None and (state.steps is None or int(scheduled.steps[j]) in state.steps):
+                groups[state.group_key].append(j)
+        chunked = ~scheduled.final | ((scheduled.steps == 0) & (scheduled.firsts > 0))
+        result, failed = {}, False
+        for key, members in groups.items():
+            index = np.array(members, dtype=np.int64)
+            for j in index[chunked[index]].tolist():
+                state, failed = scheduled.states[j], True
+                state.fail(error_record(RuntimeError(
+                    f"the prompt ({state.prompt_len} tokens) was split across scheduler steps by "
+                    "chunked prefill (it is longer than the engine's max_num_batched_tokens), so a "
+                    "program cannot see it whole at step 0; start the engine with a larger "
+                    "max_num_batched_tokens or enable_chunked_prefill=False, or use declarative ops, "
+                    "which handle chunks exactly"), where="step 0"))
+            index = index[~chunked[index]]
+            if len(index):
+                order = np.argsort([scheduled.states[j].invoke for j in index.tolist()], kind="stable")
+                result[key] = scheduled.pick(index[order])
+        return result, failed
 
     def end_step(self) -> dict[str, Carried]:
         """Close the step's calls; returns what the next pipeline stage needs to go on."""
@@ -354,7 +399,8 @@ class Interleaver:
         try:
             value = _gather(split, access.read(point, rows))
             if op["op"] == "save":
-                self._save_rows(step_op.invokes, op.get("name") or op["point"], value, step_op.ranges)
+                self._save_rows(step_op.invokes, step_op.slots, op.get("name") or op["point"], value,
+                                step_op.starts, step_op.stops)
             else:
                 access.write(point, rows, _local(split, apply_op(op, value)))
         except Exception as exc:  # noqa: BLE001
@@ -364,7 +410,7 @@ class Interleaver:
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
         split = self.tp.split(point.module, point.kind)
         try:
-            rows = self._rows_for(point, ctx, access.device)
+            rows = self._rows_for(point, ctx)
             value = _gather(split, access.read(point, rows))
         except Exception as exc:  # noqa: BLE001 - e.g. resid on a module that is not a layer
             call.cancel(f"cannot read {point}: {exc}")
@@ -381,10 +427,8 @@ class Interleaver:
             call.error = call.error or error_record(exc, where=f"writing {point}")
         self._after_resume(call, ctx)
 
-    def _rows_for(self, point: Point, ctx: CallContext, device) -> Rows:
-        if point.kind in ROW_PER_REQUEST_KINDS:
-            return Rows.of([(r, r + 1) for r in ctx.req_rows], device)
-        return Rows.of(ctx.token_ranges, device)
+    def _rows_for(self, point: Point, ctx: CallContext) -> Rows:
+        return ctx.request_rows if point.kind in ROW_PER_REQUEST_KINDS else ctx.token_rows
 
     def _after_resume(self, call: ProgramCall, ctx: CallContext) -> None:
         point = call.waiting_for
@@ -402,43 +446,43 @@ class Interleaver:
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            self._save_rows(ctx.invokes, name, value, _split_ranges(ctx, value, "save"))
+            self._save_rows(ctx.invokes, ctx.members.slots, name, value, *_split_rows(ctx, value, "save"))
             return
         if isinstance(value, torch.Tensor):  # a scalar: kept whole (a batched call needs rows)
-            _split_ranges(ctx, value, "save")
+            _split_rows(ctx, value, "save")
             value = value.detach().to("cpu", copy=True)
         for inv in ctx.invokes:
             inv.saves.setdefault(name, []).append(value)
 
-    def _save_rows(self, invokes: list[InvokeState], name: str, value: torch.Tensor,
-                   ranges: list[tuple[int, int]]) -> None:
-        """Record ``value`` once for the whole group (each invoke owns ``ranges[i]`` of its rows).
+    def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, name: str, value: torch.Tensor,
+                   starts: np.ndarray, stops: np.ndarray) -> None:
+        """Record ``value`` once for the whole group (invoke i owns rows ``starts[i]:stops[i]``).
 
         The engine never waits here: the host copy is asynchronous (see saves.py). Every TP rank
         checks the limit, so an over-limit save fails the same way everywhere; only the rank that
         reports keeps the rows.
         """
         row_bytes = math.prod(value.shape[1:]) * value.element_size()
-        sizes = [(stop - start) * row_bytes for start, stop in ranges]
-        for inv, size in zip(invokes, sizes):
-            if inv.save_bytes + size > inv.max_save_bytes:
-                raise MemoryError(
-                    f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
-                    f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
-                    "e.g. m.last(x) or a reduction)"
-                )
-        for inv, size in zip(invokes, sizes):
-            inv.save_bytes += size
+        used = self.slots.save_used[slots] + (stops - starts) * row_bytes
+        over = np.flatnonzero(used > self.slots.save_limit[slots])
+        if len(over):
+            inv = invokes[int(over[0])]
+            raise MemoryError(
+                f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
+                f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
+                "e.g. m.last(x) or a reduction)"
+            )
+        self.slots.save_used[slots] = used
         if self.rank["tp_rank"] == 0:
-            self.ledger.add(invokes[0].trace, name, value, [inv.slot for inv in invokes], ranges)
+            self.ledger.add(invokes[0].trace, name, value, slots, starts, stops)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
-            ranges = _split_ranges(ctx, value, "share")
+            starts, stops = _split_rows(ctx, value, "share")
             if self.rank["tp_rank"] != 0:  # only TP rank 0 reports
                 return
             rows, ready = host_copy(value)
-            parts = [HostRows(rows, ready, a, b) for a, b in ranges]
+            parts = [HostRows(rows, ready, a, b) for a, b in zip(starts.tolist(), stops.tolist())]
         elif len(ctx.invokes) == 1:
             parts = [value]
         else:
@@ -581,16 +625,17 @@ def _local(split, value: Any) -> Any:
     return split.local(value)
 
 
-def _split_ranges(ctx: CallContext, value: torch.Tensor, what: str) -> list[tuple[int, int]]:
-    """Each invoke's rows of a batched call's tensor (by token rows, or one row per invoke)."""
+def _split_rows(ctx: CallContext, value: torch.Tensor, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each invoke's rows ``starts[i]:stops[i]`` of a call's tensor (by token rows, or one row
+    per invoke)."""
     n = len(ctx.invokes)
     if n == 1:
-        return [(0, value.shape[0] if value.dim() else 1)]
+        return np.zeros(1, np.int64), np.array([value.shape[0] if value.dim() else 1], np.int64)
     if value.dim() >= 1:
         if value.shape[0] == ctx.num_rows:
-            return [(r.start, r.stop) for r in ctx.local_rows]
+            return ctx.local_starts, ctx.local_stops
         if value.shape[0] == n:  # one row per invoke, kept 2-D as a single invoke's call would
-            return [(j, j + 1) for j in range(n)]
+            return np.arange(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)
     raise ValueError(
         f"{what}() in a batched call over {n} invokes needs a tensor whose first dim is the "
         f"call's {ctx.num_rows} token rows or its {n} invokes (got shape {tuple(value.shape)})"

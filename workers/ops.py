@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from interlace.workers.points import ROW_PER_REQUEST_KINDS
+from interlace.workers.points import ROW_PER_REQUEST_KINDS, expand_ranges
 
 OP_KINDS = ("save", "add", "scale", "replace", "zero")
 
@@ -26,8 +27,10 @@ class StepOp:
 
     op: dict
     invokes: list  # the interleaver's InvokeStates, in batch order
-    rows: list[int]  # absolute rows of the point's tensor (token rows, or requests' logits rows)
-    ranges: list[tuple[int, int]]  # each invoke's rows within the gathered value (for saves)
+    slots: np.ndarray  # their slots (see slots.py)
+    rows: np.ndarray  # absolute rows of the point's tensor (token rows, or requests' logits rows)
+    starts: np.ndarray  # invoke i owns rows starts[i]:stops[i] of the gathered value (for saves)
+    stops: np.ndarray
 
 
 @dataclass
@@ -36,36 +39,60 @@ class OpPlan:
 
     op: dict
     members: list = field(default_factory=list)
+    _is_member: np.ndarray | None = field(default=None, init=False, repr=False)  # by slot; rebuilt on change
 
     @property
     def point(self):
         return self.op["_point"]
 
-    def for_step(self) -> StepOp | None:
-        """This step's rows, from each member's ``scheduled`` facts (set by begin_step)."""
-        steps = self.op.get("steps")
-        members = sorted(
-            (m for m in self.members if m.scheduled and m.error is None
-             and (steps is None or m.scheduled[5] in steps)),
-            key=lambda m: m.scheduled[0],
-        )
-        tokens = self.op.get("tokens", "all")
-        if self.point.kind in ROW_PER_REQUEST_KINDS:  # one row per request, once its prompt is done
-            members = [m for m in members if m.scheduled[4]]
-            per_invoke = [[m.scheduled[0]] for m in members]
-        elif tokens == "last":
-            members = [m for m in members if m.scheduled[4]]
-            per_invoke = [[m.scheduled[2] - 1] for m in members]
-        else:
-            per_invoke = [select_rows(self.op, *m.scheduled[1:5]) for m in members]
-            members, per_invoke = [m for m, r in zip(members, per_invoke) if r], [r for r in per_invoke if r]
-        if not members:
+    def add(self, state) -> None:
+        self.members.append(state)
+        self._is_member = None
+
+    def drop(self, gone: set[int]) -> None:
+        """Forget members whose ``id()`` is in ``gone``."""
+        self.members = [m for m in self.members if id(m) not in gone]
+        self._is_member = None
+
+    def for_step(self, scheduled) -> StepOp | None:
+        """This step's rows for the members among ``scheduled`` (the interleaver's Scheduled:
+        this step's live invokes as arrays, in batch order), by array arithmetic."""
+        if not len(scheduled.slots):
             return None
-        rows, ranges = [], []
-        for r in per_invoke:
-            ranges.append((len(rows), len(rows) + len(r)))
-            rows += r
-        return StepOp(self.op, members, rows, ranges)
+        size = int(scheduled.slots.max()) + 1
+        if self._is_member is None or len(self._is_member) < size:
+            slots = [m.slot for m in self.members]
+            self._is_member = np.zeros(max([size, *slots]) + 1, dtype=bool)
+            self._is_member[slots] = True
+        mine = self._is_member[scheduled.slots]
+        steps = self.op.get("steps")
+        if steps is not None:
+            mine &= np.isin(scheduled.steps, list(steps))
+        tokens = self.op.get("tokens", "all")
+        per_request = self.point.kind in ROW_PER_REQUEST_KINDS
+        if per_request or tokens == "last":  # one row per invoke, once its prompt is done
+            mine &= scheduled.final
+        index = np.flatnonzero(mine)
+        if per_request:
+            rows, lengths = scheduled.req_rows[index], np.ones(len(index), np.int64)
+        elif tokens == "last":
+            rows, lengths = scheduled.stops[index] - 1, np.ones(len(index), np.int64)
+        elif tokens == "all":
+            lengths = scheduled.stops[index] - scheduled.starts[index]
+            rows = expand_ranges(scheduled.starts[index], lengths)
+        else:  # given positions: rare, one Python step per invoke
+            facts = zip(scheduled.starts[index].tolist(), scheduled.stops[index].tolist(),
+                        scheduled.firsts[index].tolist(), scheduled.final[index].tolist())
+            chosen = [select_rows(self.op, *f) for f in facts]
+            lengths = np.array([len(r) for r in chosen], dtype=np.int64)
+            rows = np.array([r for rs in chosen for r in rs], dtype=np.int64)
+            index = index[lengths > 0]
+            lengths = lengths[lengths > 0]
+        if not len(index):
+            return None
+        stops = np.cumsum(lengths)
+        return StepOp(self.op, [scheduled.states[i] for i in index], scheduled.slots[index], rows,
+                      stops - lengths, stops)
 
 
 def select_rows(op: dict, start: int, stop: int, first_position: int, final_chunk: bool) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -133,6 +134,12 @@ def device_index(index: torch.Tensor, device) -> torch.Tensor:
     return index.pin_memory().to(device, non_blocking=True)
 
 
+def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The rows of ranges ``starts[i] : starts[i] + lengths[i]``, concatenated (no Python loop)."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
 class Rows:
     """A selection of rows (contiguous when possible, so reads are views and cost nothing)."""
 
@@ -140,17 +147,18 @@ class Rows:
         self.index = index
 
     @classmethod
-    def of(cls, ranges: list[tuple[int, int]], device) -> "Rows":
-        if len(ranges) == 1 or all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
-            return cls(slice(ranges[0][0], ranges[-1][1]))
-        return cls(device_index(torch.cat([torch.arange(a, b) for a, b in ranges]), device))
+    def of(cls, starts: np.ndarray, stops: np.ndarray, device) -> "Rows":
+        """Rows ``starts[i]:stops[i]`` for each i, in that order."""
+        if len(starts) == 1 or np.array_equal(starts[1:], stops[:-1]):
+            return cls(slice(int(starts[0]), int(stops[-1])))
+        return cls(device_index(torch.from_numpy(expand_ranges(starts, stops - starts)), device))
 
     @classmethod
-    def at(cls, rows: list[int], device) -> "Rows":
+    def at(cls, rows: np.ndarray, device) -> "Rows":
         """Given rows; a contiguous run stays a slice (a view, no index tensor at all)."""
-        if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
-            return cls(slice(rows[0], rows[-1] + 1))
-        return cls(device_index(torch.tensor(rows, dtype=torch.long), device))
+        if len(rows) and np.all(np.diff(rows) == 1):
+            return cls(slice(int(rows[0]), int(rows[-1]) + 1))
+        return cls(device_index(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), device))
 
     def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if isinstance(self.index, slice):

@@ -7,7 +7,7 @@ the engine's stream into pinned host memory, so no step waits for it and an invo
 the host before it is reported. Reporting is then a host gather per name: for a sweep of 256
 invokes x 128 steps x 4 names, four concatenations and four row selections, not 131,072 slices.
 
-    ledger.add(trace, "l3", rows, owners=[slot, ...], ranges=[(start, stop), ...])
+    ledger.add(trace, "l3", rows, owners=slots, starts=starts, stops=stops)     (numpy arrays)
     ledger.take(trace, [slot, ...]).assemble()  ->  [{"l3": tensor}, ...]   (take forgets them)
     ...assemble(batch.allocate)                  the same, gathered straight into a report file
 """
@@ -33,6 +33,7 @@ class SaveChunk:
     starts: np.ndarray  # each owner's rows of ``rows``: starts[i]:stops[i]
     stops: np.ndarray
     pending: int  # owners not yet reported
+    taken: np.ndarray | None = None  # which owners' rows were handed out (their slot may be reused)
 
 
 def host_copy(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -73,12 +74,11 @@ class SaveLedger:
     def __init__(self):
         self._chunks: dict[str, list[SaveChunk]] = defaultdict(list)
 
-    def add(self, trace: str, name: str, value: torch.Tensor, owners: list[int],
-            ranges: list[tuple[int, int]]) -> None:
+    def add(self, trace: str, name: str, value: torch.Tensor, owners: np.ndarray, starts: np.ndarray,
+            stops: np.ndarray) -> None:
+        """Rows of ``value`` for a group: owner ``owners[i]`` (a slot) has rows ``starts[i]:stops[i]``."""
         rows, ready = host_copy(value)
-        bounds = np.array(ranges, dtype=np.int64).reshape(-1, 2)
-        self._chunks[trace].append(SaveChunk(name, rows, ready, np.array(owners, dtype=np.int64),
-                                             bounds[:, 0], bounds[:, 1], len(owners)))
+        self._chunks[trace].append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners)))
 
     def take(self, trace: str, owners: list[int]) -> "TakenSaves":
         """The owners' saves, to assemble later (on any thread). Chunks every owner of which has
@@ -88,9 +88,12 @@ class SaveLedger:
         kept = []
         for chunk in self._chunks.pop(trace, ()):
             mine = np.isin(chunk.owners, wanted)
+            if chunk.taken is not None:
+                mine &= ~chunk.taken
             if mine.any():
                 by_name[chunk.name].append((chunk, mine))
                 chunk.pending -= int(mine.sum())
+                chunk.taken = mine if chunk.taken is None else chunk.taken | mine
             if chunk.pending > 0:
                 kept.append(chunk)
         if kept:

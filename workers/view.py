@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from interlace.workers.points import Point, device_index
+from interlace.workers.points import Point
 
 
 class Node:
@@ -137,7 +137,7 @@ class ProgramView:
         if x.shape[0] == self._ctx.num_rows:
             if self._ctx.num_rows == self.n:  # one row each (decode steps): already the last rows
                 return x
-            return x.index_select(0, device_index(torch.tensor([r.stop - 1 for r in self.rows]), x.device))
+            return x.index_select(0, self._ctx.last_rows.to(x.device))
         if x.shape[0] == self.n:
             return x
         raise ValueError(f"last(): expected {self._ctx.num_rows} token rows or {self.n} invoke rows, got shape {tuple(x.shape)}")
