@@ -64,23 +64,86 @@ def _gc_timer(phase: str, info: dict) -> None:
         COUNTS[f"python gc (gen {info['generation']})"] += 1
 
 
+def _add(label: str, seconds: float) -> None:
+    TOTALS[label] += seconds
+    COUNTS[label] += 1
+
+
+def probe_handoffs() -> None:
+    """Split the engine's waits for programs into the program's own running time and the two
+    handoffs (engine to program thread, and back), by timestamps on each side."""
+    from interlace.workers.calls import ProgramCall
+
+    now = time.perf_counter
+    start, resume, wait_at, wait = (ProgramCall.start, ProgramCall.resume, ProgramCall.wait_at,
+                                    ProgramCall._wait_for_program)
+
+    def start_(self):
+        program = self.program
+
+        def timed_program(view):
+            woken(self)
+            try:
+                return program(view)
+            finally:
+                blocked(self)
+
+        self.program = timed_program
+        self._probe_released = now()
+        start(self)
+
+    def resume_(self, value):
+        self._probe_released = now()
+        resume(self, value)
+
+    def woken(self):
+        self._probe_woken = now()
+        _add("  handoff engine -> program", self._probe_woken - self._probe_released)
+
+    def blocked(self):
+        self._probe_blocked = now()
+        _add("  program runs (its own Python)", self._probe_blocked - self._probe_woken)
+
+    def wait_at_(self, point):
+        blocked(self)
+        try:
+            return wait_at(self, point)
+        finally:
+            woken(self)
+
+    def wait_(self):
+        wait(self)
+        if hasattr(self, "_probe_blocked"):
+            _add("  handoff program -> engine", now() - self._probe_blocked)
+
+    ProgramCall.start, ProgramCall.resume, ProgramCall.wait_at = start_, resume_, wait_at_
+    ProgramCall._wait_for_program = wait_
+
+
 def install_probes() -> None:
     import gc
 
     gc.callbacks.append(_gc_timer)
     from vllm.v1.worker.gpu_worker import Worker
 
-    from interlace.workers import calls, interleaver, saves, sink
+    from interlace import model as driver_model
+    from interlace.workers import calls, interleaver, ops, report_file, saves
 
     timed(Worker, "execute_model", "runner.execute_model", debug_sync=False)
     timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
     timed(interleaver.Interleaver, "_dispatch", "interleaver.hooks")
+    timed(interleaver.Interleaver, "_schedule", "  begin_step: schedule (arrays)")
+    timed(interleaver.Interleaver, "_program_groups", "  begin_step: program groups")
+    timed(ops.OpPlan, "for_step", "  begin_step: op plans")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
     timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
     timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
+    probe_handoffs()
     timed(saves, "host_copy", "saves.host_copy")
-    timed(saves.SaveLedger, "take", "reports: ledger.take (gather)")
-    timed(sink.DirSink, "write", "reports: sink.write (file)")
+    timed(saves.SaveLedger, "take", "reports: ledger.take")
+    timed(saves.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
+    timed(report_file.ReportFileWriter, "finish", "reports: header (reporter)", debug_sync=False)
+    timed(driver_model, "read_new_reports", "driver: read reports", debug_sync=False)
 
 
 def main() -> None:
