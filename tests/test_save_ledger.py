@@ -36,3 +36,38 @@ def test_rows_of_several_lengths_concatenate_in_save_order():
     seven, five = ledger.take("t", [7, 5]).assemble()
     assert five["x"].flatten().tolist() == [1, 2, 5]
     assert seven["x"].flatten().tolist() == [3, 4]
+
+
+def test_a_chunk_in_batch_order_is_scattered_to_invoke_order():
+    # vLLM's batch order differs from invoke order: every row of the chunk moves, none is lost
+    ledger = SaveLedger()
+    for step in range(2):
+        ledger.add("t", "h", _rows(*(10 * step + o for o in (3, 1, 4, 2))), owners=np.array([3, 1, 4, 2]),
+                   starts=np.arange(4), stops=np.arange(1, 5))
+    results = ledger.take("t", [1, 2, 3, 4]).assemble()
+    assert [r["h"].flatten().tolist() for r in results] == [[1, 11], [2, 12], [3, 13], [4, 14]]
+
+
+def test_slab_memory_is_reused_only_after_reports_let_go():
+    ledger = SaveLedger()
+    hidden = 1024  # 256 x 1024 float32 = 1 MiB a chunk: 64 to a slab
+    owners = np.arange(256)
+    bounds = dict(starts=owners, stops=owners + 1)
+
+    def sweep(trace: str, offset: float):
+        for step in range(100):  # 100 MiB: with the other sweep, three slabs filled and a fourth begun
+            ledger.add(trace, "h", torch.full((256, hidden), float(offset + step)), owners=owners, **bounds)
+        return ledger.take(trace, owners.tolist())
+
+    first = sweep("a", 0)
+    second = sweep("b", 1000)  # the reporter has not written the first trace yet: nothing reused
+    assert ledger._pinned._spare == []
+    results = {"a": first.assemble(), "b": second.assemble()}
+    first.release(), second.release()
+    assert len(ledger._pinned._spare) == 3  # every full slab is free again
+    third = sweep("c", 2000)  # reuses them
+    results["c"] = third.assemble()
+    for trace, offset in (("a", 0), ("b", 1000), ("c", 2000)):  # reuse overwrote nothing reported
+        assert results[trace][7]["h"].shape == (100, hidden)
+        assert results[trace][7]["h"][:, 0].tolist() == [offset + s for s in range(100)]
+        assert results[trace][255]["h"][:, -1].tolist() == [offset + s for s in range(100)]

@@ -481,7 +481,7 @@ class Interleaver:
             starts, stops = _split_rows(ctx, value, "share")
             if self.rank["tp_rank"] != 0:  # only TP rank 0 reports
                 return
-            rows, ready = host_copy(value)
+            rows, ready, _ = host_copy(value)
             parts = [HostRows(rows, ready, a, b) for a, b in zip(starts.tolist(), stops.tolist())]
         elif len(ctx.invokes) == 1:
             parts = [value]
@@ -569,9 +569,19 @@ def _report_of(state: InvokeState, stage: int) -> dict:
 
 def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
                    objects: list[dict[str, list]]) -> None:
-    """On the reporter thread: assemble the saves and write one batch of reports. If the batch
-    cannot be written (e.g. an unpicklable save), each report is written alone, and those that
-    still fail carry the error instead of their saves."""
+    """On the reporter thread: write one batch of reports, then let the saves' host memory be
+    reused (the reports hold copies of it)."""
+    try:
+        _write_batch(sink, trace, stage, reports, taken, objects)
+    finally:
+        taken.release()
+
+
+def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
+                 objects: list[dict[str, list]]) -> None:
+    """Assemble the saves into one batch file. If the batch cannot be written (e.g. an
+    unpicklable save), each report is written alone, and those that still fail carry the error
+    instead of their saves."""
     try:
         for report in reports:
             report["shared"] = [(name, how, v.get() if isinstance(v, HostRows) else v)

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from interlace.workers.pinned import PinnedSlabs, Slab
+
 
 @dataclass
 class SaveChunk:
@@ -33,21 +35,29 @@ class SaveChunk:
     starts: np.ndarray  # each owner's rows of ``rows``: starts[i]:stops[i]
     stops: np.ndarray
     pending: int  # owners not yet reported
+    slab: Slab | None = None  # where ``rows`` live (pinned slabs): released when no report needs them
     taken: np.ndarray | None = None  # which owners' rows were handed out (their slot may be reused)
 
 
-def host_copy(value: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A snapshot of ``value`` on the host. From a GPU it is asynchronous: the copy is queued on
-    the current stream (so later in-place kernels cannot change it) and ``ready`` tells when it
-    has landed."""
+def host_copy(value: torch.Tensor, pinned: PinnedSlabs | None = None
+              ) -> tuple[torch.Tensor, torch.cuda.Event | None, Slab | None]:
+    """A snapshot of ``value`` on the host, cut from ``pinned``'s slabs when given (and holding
+    its slab). From a GPU it is asynchronous: the copy is queued on the current stream (so later
+    in-place kernels cannot change it) and ``ready`` tells when it has landed."""
     value = value.detach()
-    if value.device.type != "cuda":
-        return value.clone(), None
-    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-    host.copy_(value, non_blocking=True)
+    on_gpu = value.device.type == "cuda"
+    if pinned is not None:
+        host, slab = pinned.empty(tuple(value.shape), value.dtype)
+    elif on_gpu:
+        host, slab = torch.empty(value.shape, dtype=value.dtype, pin_memory=True), None
+    else:
+        return value.clone(), None, None
+    host.copy_(value, non_blocking=on_gpu)
+    if not on_gpu:
+        return host, None, slab
     ready = torch.cuda.Event()
     ready.record()
-    return host, ready
+    return host, ready, slab
 
 
 class HostRows:
@@ -73,12 +83,13 @@ class SaveLedger:
 
     def __init__(self):
         self._chunks: dict[str, list[SaveChunk]] = defaultdict(list)
+        self._pinned = PinnedSlabs()
 
     def add(self, trace: str, name: str, value: torch.Tensor, owners: np.ndarray, starts: np.ndarray,
             stops: np.ndarray) -> None:
         """Rows of ``value`` for a group: owner ``owners[i]`` (a slot) has rows ``starts[i]:stops[i]``."""
-        rows, ready = host_copy(value)
-        self._chunks[trace].append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners)))
+        rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
+        self._chunks[trace].append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab))
 
     def take(self, trace: str, owners: list[int]) -> "TakenSaves":
         """The owners' saves, to assemble later (on any thread). Chunks every owner of which has
@@ -92,13 +103,16 @@ class SaveLedger:
                 mine &= ~chunk.taken
             if mine.any():
                 by_name[chunk.name].append((chunk, mine))
+                self._pinned.retain(chunk.slab)  # the report's hold, released once it is written
                 chunk.pending -= int(mine.sum())
                 chunk.taken = mine if chunk.taken is None else chunk.taken | mine
             if chunk.pending > 0:
                 kept.append(chunk)
+            else:
+                self._pinned.release(chunk.slab)  # the ledger's hold
         if kept:
             self._chunks[trace] = kept
-        return TakenSaves(dict(by_name), wanted)
+        return TakenSaves(dict(by_name), wanted, self._pinned)
 
 
 Allocate = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
@@ -115,6 +129,14 @@ class TakenSaves:
 
     parts: dict[str, list[tuple[SaveChunk, np.ndarray]]]  # by name: chunks and which entries are wanted
     wanted: np.ndarray  # the owners, in the order results come back
+    pinned: PinnedSlabs | None = None
+
+    def release(self) -> None:
+        """Once assembled (results no longer point into the chunks): let their memory be reused."""
+        if self.pinned is not None:
+            for parts in self.parts.values():
+                for chunk, _ in parts:
+                    self.pinned.release(chunk.slab)
 
     def assemble(self, allocate: Allocate = host_tensors) -> list[dict[str, Any]]:
         """Each owner's saves by name: rows of all its chunks, in save order, concatenated along
@@ -140,15 +162,15 @@ class _Gather:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    copies: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk: its rows taken, their destination rows
+    copies: list[tuple[torch.Tensor, slice | torch.Tensor]]  # per chunk: rows, and where they go (in order)
     owners: list[int]  # index into ``wanted`` of each owner with rows, in destination order
     counts: list[int]  # each such owner's number of rows
 
     def into(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
-        for rows, dest in self.copies:  # ``dest`` ascends
-            if len(dest) and int(dest[-1]) - int(dest[0]) + 1 == len(dest):
-                out[int(dest[0]) : int(dest[-1]) + 1].copy_(rows)  # one run (e.g. a single invoke)
-            elif len(dest):
+        for rows, dest in self.copies:
+            if isinstance(dest, slice):
+                out[dest].copy_(rows)  # one run (e.g. a single invoke)
+            else:
                 out.index_copy_(0, dest, rows)
         return dict(zip(self.owners, out.split(self.counts)))
 
@@ -179,12 +201,22 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
     for i, (c, _) in enumerate(parts):
         dest = by_chunk[bounds[i] : bounds[i + 1]]
         source = row_source[dest]
-        rows = c.rows if np.array_equal(source, np.arange(len(c.rows))) else c.rows[torch.from_numpy(source)]
-        copies.append((rows, torch.from_numpy(dest)))
+        by_source = np.argsort(source, kind="stable")
+        if np.array_equal(source[by_source], np.arange(len(c.rows))):  # every row of the chunk: scatter it
+            copies.append((c.rows, _destination(dest[by_source])))  # (no intermediate copy)
+        elif len(dest):
+            copies.append((c.rows[torch.from_numpy(source)], _destination(dest)))
     present = np.unique(invoke)
     counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
     first = parts[0][0].rows
     return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist())
+
+
+def _destination(rows: np.ndarray) -> slice | torch.Tensor:
+    """Destination rows for a chunk's copy: a slice when they are one ascending run."""
+    if len(rows) and np.all(np.diff(rows) == 1):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.from_numpy(rows)
 
 
 def _assemble_unlike(parts: list[tuple[SaveChunk, np.ndarray]], invoke: np.ndarray) -> dict[int, object]:
