@@ -12,6 +12,6 @@ interventions, and docs/ for steering, logit lens and activation patching exampl
 
 from interlace import ops
 from interlace.model import Model, Trace
-from interlace.trace import InterventionError, InvokeResult, TraceResult, batched
+from interlace.trace import InterventionError, InvokeResult, TraceResult, WorkerDied, batched
 
-__all__ = ["Model", "Trace", "TraceResult", "InvokeResult", "InterventionError", "batched", "ops"]
+__all__ = ["Model", "Trace", "TraceResult", "InvokeResult", "InterventionError", "WorkerDied", "batched", "ops"]

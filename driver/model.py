@@ -39,6 +39,7 @@ from interlace.trace import (
     Invoke,
     InvokeResult,
     TraceResult,
+    WorkerDied,
     check_ops,
     encode_payloads,
     new_trace_id,
@@ -155,13 +156,35 @@ class Model:
             prompts.append(prompt)
             params.append(SamplingParams(**trace.settings, extra_args=extra))
         with self._lock:
-            outputs = self.engine.generate(prompts, params, use_tqdm=False)
+            outputs = self._generate(trace_id, prompts, params)
             if type(self.engine.llm_engine.engine_core).__name__ == "InprocClient":
                 # VLLM_ENABLE_V1_MULTIPROCESSING=0: nothing steps the engine once generate() is
                 # done, and workers learn which requests finished (and report them) in a step
                 self.engine.llm_engine.step()
         reports = self._collect(trace_id, [i for i, p in enumerate(payloads) if p is not None])
         return _assemble(trace.invokes, outputs, reports)
+
+    def _generate(self, trace_id: str, prompts: list[dict], params: list) -> list:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return self.engine.generate(prompts, params, use_tqdm=False)
+        except EngineDeadError as exc:
+            self._drop_dead_engine()
+            raise WorkerDied(
+                f"trace {trace_id}: the engine's worker process died while running it (a program "
+                "that crashed the interpreter, or the system killing the process, e.g. for memory). "
+                "This trace's results are lost; the next trace starts a new engine."
+            ) from exc
+
+    def _drop_dead_engine(self) -> None:
+        from interlace.cluster.engine import shutdown_engine
+
+        engine, self._engine = self._engine, None
+        try:
+            shutdown_engine(engine)  # reap what is left of its processes
+        except Exception:  # noqa: BLE001 - it is dead already; a fresh one is started on next use
+            pass
 
     def _collect(self, trace_id: str, intervened: list[int]) -> dict[int, list[dict]]:
         """Every intervened invoke's report from every pipeline stage, by invoke."""

@@ -81,6 +81,12 @@ class InterventionError(RuntimeError):
         )
 
 
+class WorkerDied(RuntimeError):
+    """The engine's worker process died while running a trace (a program crashed the interpreter,
+    the kernel killed the process for memory...). The trace fails; the model starts a new engine
+    for the next one."""
+
+
 def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: float,
                     max_save_bytes: int) -> list[bytes | None]:
     """The bytes each intervened invoke's request carries to the workers (None: plain request)."""

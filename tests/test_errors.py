@@ -162,3 +162,23 @@ def test_report_grace_waits_while_a_report_is_being_written(llama, monkeypatch):
     assert llama._collect("slow-trace", [0])[0][0]["invoke"] == 0
     with pytest.raises(RuntimeError, match="no report from .* within 0s; a worker may have died"):
         llama._collect("silent-trace", [0])
+
+
+def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(oracles):
+    """A worker that dies (here a program kills its own process, as a crashing C extension or the
+    kernel's out-of-memory killer would) fails the trace it was running with a clear error, and
+    the model starts a new engine for the next trace."""
+    import os
+    import signal
+
+    def crash(m):
+        m.layers[0].resid
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    model = interlace.Model("tiny-llama")
+    try:
+        with pytest.raises(interlace.WorkerDied, match="died"):
+            model.generate(PROMPT, program=crash, max_tokens=2)
+        _still_serves(model, oracles)
+    finally:
+        model.close()
