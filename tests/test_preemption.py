@@ -1,12 +1,17 @@
-"""A request vLLM preempts and recomputes cannot have its interventions replayed: it must fail
-clearly, never run with interventions applied to the wrong tokens."""
+"""A request vLLM preempts (KV cache pressure) is recomputed from scratch. Declarative ops are
+replayed on the recomputed rows exactly (edits applied again, saves not repeated); a program's
+accesses cannot be, so its invoke fails clearly, never running on the wrong tokens."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import interlace
 from interlace import ops
+
+PROMPT = "One two three four five six seven eight nine ten. " * 8
+MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +25,35 @@ def small_cache():
     model.close()
 
 
-def test_preempted_request_fails_clearly_and_the_engine_serves_on(small_cache, oracles):
-    ids = oracles["tiny-llama"].ids("One two three four five six seven eight nine ten. " * 8)[:100]
+def _ids(oracles) -> list[int]:
+    return oracles["tiny-llama"].ids(PROMPT)[:100]
+
+
+def test_preempted_program_fails_clearly_and_the_engine_serves_on(small_cache, oracles):
+    def read(m):
+        m.save("h", m.last(m.layers[1].resid))
+
     with pytest.raises(interlace.InterventionError, match="preempted this request"):
-        with small_cache.trace(max_tokens=200, ignore_eos=True) as tr:
+        with small_cache.trace(max_tokens=MAX_TOKENS, ignore_eos=True) as tr:
             for _ in range(6):
-                tr.invoke(ids, ops=[ops.save("layers.1.resid", tokens="last")])
-    out = small_cache.generate(ids[:20], ops=[ops.save("layers.1.resid")], max_tokens=2)
+                tr.invoke(_ids(oracles), program=read)
+    out = small_cache.generate(_ids(oracles)[:20], ops=[ops.save("layers.1.resid")], max_tokens=2)
     assert out.saves["layers.1.resid"].shape[0] == 21
+
+
+def test_preempted_ops_are_replayed_exactly(small_cache, llama, oracles):
+    ids = _ids(oracles)
+    steer = ops.add("layers.1.resid", torch.randn(128, generator=torch.Generator().manual_seed(0)))
+    invoke_ops = [steer, ops.save("layers.2.resid"), ops.save("layers.3.resid", tokens="last")]
+    replays_before = sum(small_cache.engine.collective_rpc("interlace_replays"))
+    with small_cache.trace(max_tokens=MAX_TOKENS, ignore_eos=True) as tr:
+        for _ in range(6):
+            tr.invoke(ids, ops=invoke_ops)
+    assert sum(small_cache.engine.collective_rpc("interlace_replays")) > replays_before  # it did preempt
+
+    alone = llama.generate(ids, ops=invoke_ops, max_tokens=MAX_TOKENS, ignore_eos=True)  # room for all
+    for result in tr.result:
+        assert result.token_ids == alone.token_ids  # steered the same, recomputed rows included
+        for name in ("layers.2.resid", "layers.3.resid"):  # each row saved once
+            assert result.saves[name].shape == alone.saves[name].shape
+            torch.testing.assert_close(result.saves[name], alone.saves[name], atol=1e-4, rtol=1e-4)

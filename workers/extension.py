@@ -26,6 +26,11 @@ class InterlaceWorkerExtension:
         """Hooks currently installed (tests check that finished traces leave none behind)."""
         return self.model_runner._interlace.hooks.installed
 
+    def interlace_replays(self) -> int:
+        """Chunks this rank has replayed ops on since start-up: rows vLLM recomputed after
+        preempting a request (KV cache pressure)."""
+        return self.model_runner._interlace.replays
+
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,
         e.g. a block that defers its all-reduce); False where the module runs on another stage."""

@@ -76,12 +76,14 @@ class Scheduled:
     stops: np.ndarray
     firsts: np.ndarray  # the position of its first row in its sequence
     final: np.ndarray  # whether this chunk ends its prompt (always, once decoding)
-    steps: np.ndarray  # its generation step
+    steps: np.ndarray  # its generation step (its last row's)
+    prompt_lens: np.ndarray
+    replay_until: np.ndarray  # rows before this position recompute rows of before a preemption
 
     def pick(self, index: np.ndarray) -> "Scheduled":
         return Scheduled([self.states[i] for i in index.tolist()], self.slots[index], self.req_rows[index],
                          self.starts[index], self.stops[index], self.firsts[index], self.final[index],
-                         self.steps[index])
+                         self.steps[index], self.prompt_lens[index], self.replay_until[index])
 
 
 @dataclass
@@ -163,6 +165,7 @@ class Interleaver:
         self.ledger = SaveLedger()
         self.reporter = Reporter()
         self.slots = SlotTable()
+        self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self.device = next(model.parameters()).device
 
@@ -275,7 +278,13 @@ class Interleaver:
             self._pump(self.step)
 
     def _schedule(self, layout: BatchLayout) -> Scheduled:
-        """This step's live invokes as arrays; fails those whose rows vLLM is recomputing."""
+        """This step's live invokes as arrays.
+
+        A chunk that starts before the invoke's next position recomputes rows vLLM computed
+        before it preempted the request (KV cache pressure). Declarative ops are replayed
+        exactly (edits applied again, saves not repeated: see OpPlan.for_step); a program's
+        accesses cannot be, so an invoke with a program fails.
+        """
         states = list(map(self.invokes.get, layout.req_ids))
         picked = [i for i, state in enumerate(states) if state is not None and state.error is None]
         index = np.array(picked, dtype=np.int64)
@@ -283,19 +292,26 @@ class Interleaver:
         starts, stops = layout.row_starts[index], layout.row_starts[index + 1]
         firsts = layout.first_positions[index]
         ends = firsts + (stops - starts)
-        prompt_len = self.slots.prompt_len[slots]
+        table = self.slots
+        recomputed = firsts < table.next_position[slots]
+        table.replay_until[slots] = np.where(recomputed, table.next_position[slots], table.replay_until[slots])
+        table.next_position[slots] = np.maximum(ends, table.next_position[slots])
+        prompt_len = table.prompt_len[slots]
         scheduled = Scheduled([states[i] for i in picked], slots, index, starts, stops, firsts,
-                              ends >= prompt_len, np.maximum(0, ends - prompt_len))
-        recomputed = firsts < self.slots.next_position[slots]
-        self.slots.next_position[slots] = np.maximum(ends, self.slots.next_position[slots])
-        if not recomputed.any():
-            return scheduled
-        for j in np.flatnonzero(recomputed).tolist():
+                              ends >= prompt_len, np.maximum(0, ends - prompt_len), prompt_len,
+                              table.replay_until[slots])
+        failed = [j for j in np.flatnonzero(recomputed).tolist() if scheduled.states[j].program is not None]
+        self.replays += int(recomputed.sum()) - len(failed)
+        for j in failed:
             scheduled.states[j].fail(error_record(RuntimeError(
                 f"vLLM preempted this request and recomputed it from position {firsts[j]} (KV cache "
-                "pressure); interventions already applied cannot be replayed exactly. Give the "
-                "engine more KV cache or run fewer requests at once"), where=f"position {firsts[j]}"))
-        return scheduled.pick(np.flatnonzero(~recomputed))
+                "pressure); a program's accesses cannot be replayed exactly (declarative ops are). "
+                "Give the engine more KV cache or run fewer requests at once"), where=f"position {firsts[j]}"))
+        if not failed:
+            return scheduled
+        keep = np.ones(len(picked), dtype=bool)
+        keep[failed] = False
+        return scheduled.pick(np.flatnonzero(keep))
 
     def _program_groups(self, scheduled: Scheduled) -> tuple[dict[str, Scheduled], bool]:
         """The invokes whose program runs this step, by group (one call each), in invoke order,

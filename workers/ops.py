@@ -65,6 +65,8 @@ class OpPlan:
             self._is_member = np.zeros(max([size, *slots]) + 1, dtype=bool)
             self._is_member[slots] = True
         mine = self._is_member[scheduled.slots]
+        if (mine & (scheduled.firsts < scheduled.replay_until)).any():
+            return self._by_position(scheduled, np.flatnonzero(mine))
         steps = self.op.get("steps")
         if steps is not None:
             mine &= np.isin(scheduled.steps, list(steps))
@@ -88,10 +90,42 @@ class OpPlan:
             rows = np.array([r for rs in chosen for r in rs], dtype=np.int64)
             index = index[lengths > 0]
             lengths = lengths[lengths > 0]
+        return self._step_op(scheduled, index, rows, lengths)
+
+    def _by_position(self, scheduled, index: np.ndarray) -> StepOp | None:
+        """Rows chosen position by position, each by its own generation step: for a step in which
+        some member recomputes rows computed before vLLM preempted it (rare; Python per row).
+        Those rows get the same edits as the first time; saves skip them (already saved)."""
+        steps, tokens = self.op.get("steps"), self.op.get("tokens", "all")
+        wanted = None if tokens in ("all", "last") else set(tokens)
+        per_request = self.point.kind in ROW_PER_REQUEST_KINDS
+        saving = self.op["op"] == "save"
+        chosen = []
+        for i in index.tolist():
+            start, stop, first = int(scheduled.starts[i]), int(scheduled.stops[i]), int(scheduled.firsts[i])
+            prompt_len, replayed = int(scheduled.prompt_lens[i]), int(scheduled.replay_until[i])
+            rows = []
+            for row in ([stop - 1] if per_request else range(start, stop)):  # logits/samples: the last row's
+                position = first + row - start
+                if (per_request or tokens == "last") and position < prompt_len - 1:
+                    continue  # only a prompt's last row and generated rows end a step
+                if wanted is not None and not per_request and position not in wanted:
+                    continue
+                if steps is not None and max(0, position - prompt_len + 1) not in steps:
+                    continue
+                if saving and position < replayed:
+                    continue
+                rows.append(int(scheduled.req_rows[i]) if per_request else row)
+            chosen.append(rows)
+        lengths = np.array([len(r) for r in chosen], dtype=np.int64)
+        rows = np.array([r for rs in chosen for r in rs], dtype=np.int64)
+        return self._step_op(scheduled, index[lengths > 0], rows, lengths[lengths > 0])
+
+    def _step_op(self, scheduled, index: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> StepOp | None:
         if not len(index):
             return None
         stops = np.cumsum(lengths)
-        return StepOp(self.op, [scheduled.states[i] for i in index], scheduled.slots[index], rows,
+        return StepOp(self.op, [scheduled.states[i] for i in index.tolist()], scheduled.slots[index], rows,
                       stops - lengths, stops)
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_COLUMNS = {"prompt_len": np.int64, "next_position": np.int64, "save_used": np.int64, "save_limit": np.int64}
+_COLUMNS = {"prompt_len": np.int64, "next_position": np.int64, "replay_until": np.int64,
+            "save_used": np.int64, "save_limit": np.int64}
 
 
 class SlotTable:
@@ -24,7 +25,8 @@ class SlotTable:
     def __init__(self, capacity: int = 256):
         self._free: list[int] = []
         self._next = 0
-        self.prompt_len = self.next_position = self.save_used = self.save_limit = np.empty(0, np.int64)
+        self.prompt_len = self.next_position = self.replay_until = np.empty(0, np.int64)
+        self.save_used = self.save_limit = np.empty(0, np.int64)
         self._grow(capacity)
 
     def add(self, prompt_len: int, max_save_bytes: int) -> int:
@@ -36,6 +38,7 @@ class SlotTable:
                 self._grow(2 * len(self.prompt_len))
         self.prompt_len[slot] = prompt_len
         self.next_position[slot] = 0  # where the next scheduled chunk must start; less means recomputation
+        self.replay_until[slot] = 0  # rows before this position are recomputed ones (after a preemption)
         self.save_used[slot] = 0
         self.save_limit[slot] = max_save_bytes
         return slot
