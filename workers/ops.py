@@ -62,16 +62,17 @@ class OpPlan:
         size = int(scheduled.slots.max()) + 1
         if self._is_member is None or len(self._is_member) < size:
             slots = [m.slot for m in self.members]
-            self._is_member = np.zeros(max([size, *slots]) + 1, dtype=bool)
+            self._is_member = np.zeros(max([size - 1, *slots]) + 1, dtype=bool)
             self._is_member[slots] = True
         mine = self._is_member[scheduled.slots]
-        if (mine & (scheduled.firsts < scheduled.replay_until)).any():
+        tokens = self.op.get("tokens", "all")
+        per_request = self.point.kind in ROW_PER_REQUEST_KINDS
+        replaying = (mine & (scheduled.firsts < scheduled.replay_until)).any()
+        if replaying or (not per_request and tokens not in ("all", "last")):  # or given positions
             return self._by_position(scheduled, np.flatnonzero(mine))
         steps = self.op.get("steps")
         if steps is not None:
             mine &= np.isin(scheduled.steps, list(steps))
-        tokens = self.op.get("tokens", "all")
-        per_request = self.point.kind in ROW_PER_REQUEST_KINDS
         if per_request or tokens == "last":  # one row per invoke, once its prompt is done
             mine &= scheduled.final
         index = np.flatnonzero(mine)
@@ -79,23 +80,16 @@ class OpPlan:
             rows, lengths = scheduled.req_rows[index], np.ones(len(index), np.int64)
         elif tokens == "last":
             rows, lengths = scheduled.stops[index] - 1, np.ones(len(index), np.int64)
-        elif tokens == "all":
+        else:
             lengths = scheduled.stops[index] - scheduled.starts[index]
             rows = expand_ranges(scheduled.starts[index], lengths)
-        else:  # given positions: rare, one Python step per invoke
-            facts = zip(scheduled.starts[index].tolist(), scheduled.stops[index].tolist(),
-                        scheduled.firsts[index].tolist(), scheduled.final[index].tolist())
-            chosen = [select_rows(self.op, *f) for f in facts]
-            lengths = np.array([len(r) for r in chosen], dtype=np.int64)
-            rows = np.array([r for rs in chosen for r in rs], dtype=np.int64)
-            index = index[lengths > 0]
-            lengths = lengths[lengths > 0]
         return self._step_op(scheduled, index, rows, lengths)
 
     def _by_position(self, scheduled, index: np.ndarray) -> StepOp | None:
-        """Rows chosen position by position, each by its own generation step: for a step in which
-        some member recomputes rows computed before vLLM preempted it (rare; Python per row).
-        Those rows get the same edits as the first time; saves skip them (already saved)."""
+        """Rows chosen position by position, each by its own generation step (Python per row): for
+        ops on given positions, and for a step in which some member recomputes rows computed
+        before vLLM preempted it (rare). Those rows get the same edits as the first time; saves
+        skip them (already saved)."""
         steps, tokens = self.op.get("steps"), self.op.get("tokens", "all")
         wanted = None if tokens in ("all", "last") else set(tokens)
         per_request = self.point.kind in ROW_PER_REQUEST_KINDS
@@ -127,17 +121,6 @@ class OpPlan:
         stops = np.cumsum(lengths)
         return StepOp(self.op, [scheduled.states[i] for i in index.tolist()], scheduled.slots[index], rows,
                       stops - lengths, stops)
-
-
-def select_rows(op: dict, start: int, stop: int, first_position: int, final_chunk: bool) -> list[int]:
-    """Rows of ``start:stop`` (positions ``first_position``...) that ``op['tokens']`` selects."""
-    tokens = op.get("tokens", "all")
-    if tokens == "all":
-        return list(range(start, stop))
-    if tokens == "last":
-        return [stop - 1] if final_chunk else []
-    wanted = set(tokens)
-    return [start + i for i in range(stop - start) if first_position + i in wanted]
 
 
 def apply(op: dict, value: torch.Tensor) -> torch.Tensor:
