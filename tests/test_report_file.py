@@ -1,5 +1,6 @@
-"""The report batch file, without an engine: saves gathered into the file come back as views of
-one mapping, everything else round-trips through the header, and a failed write leaves nothing."""
+"""Report files, without an engine: saves gathered into a batch's region come back as views of one
+mapping, everything else round-trips through the header, the data file is reserved ahead and
+truncated at the end, and a failed write leaves no batch behind."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_saves_gathered_into_the_file_come_back_as_views_of_one_mapping(tmp_path
         saves = taken.assemble(batch.allocate)
         saves[1]["note"] = {"text": "kept", "n": [1, 2.5, None]}  # not a tensor
         batch.finish([_report(i + 3, s, shared=[("total", "sum", small)]) for i, s in enumerate(saves)])
-    assert [p.name for p in (tmp_path / "t").iterdir()] == ["0-3.reports"]
+    assert sorted(p.suffix for p in (tmp_path / "t").iterdir()) == [".data", ".reports"]
 
     back = read_new_reports(tmp_path / "t", set())
     assert [r["invoke"] for r in back] == [3, 4, 5]
@@ -91,10 +92,32 @@ def test_a_failed_write_leaves_no_file_and_the_rows_readable(tmp_path):
         with sink.batch("t", 0) as batch:
             saves = taken.assemble(batch.allocate)
             batch.finish([_report(0, {**saves[0], "lock": threading.Lock()})])
-    assert list((tmp_path / "t").iterdir()) == []
+    assert [p.suffix for p in (tmp_path / "t").iterdir()] == [".data"]  # no batch
     # the fallback writes the report alone: its rows, views of the abandoned mapping, are pickled
     # whole, with only their own bytes
     sink.write("t", 0, [_report(0, saves[0])])
-    (path,) = (tmp_path / "t").iterdir()
+    (path,) = (tmp_path / "t").glob("*.reports")
     assert path.stat().st_size < 4096
     assert torch.equal(read_new_reports(tmp_path / "t", set())[0]["saves"]["resid"], taken.assemble()[0]["resid"])
+
+
+def test_the_data_file_is_reserved_ahead_batches_append_and_close_gives_back_the_rest(tmp_path):
+    sink = DirSink(str(tmp_path))
+    sink.reserve("t", 0, 8 << 20)  # ahead, while the trace runs
+    (data,) = (tmp_path / "t").glob("*.data")
+    assert data.stat().st_blocks * 512 >= 8 << 20  # allocated, not a hole
+
+    taken = _taken()
+    expected = taken.assemble()
+    for first in (0, 3):  # two batches of the same trace: two regions of one data file
+        with sink.batch("t", 0) as batch:
+            batch.finish([_report(first + i, s) for i, s in enumerate(taken.assemble(batch.allocate))])
+    assert data.stat().st_blocks * 512 < 9 << 20  # the batches used the reservation, nothing more
+    sink.close("t", 0)
+    assert data.stat().st_size == 2 * 4096  # truncated to the two regions (a page each)
+
+    back = read_new_reports(tmp_path / "t", set())
+    assert [r["invoke"] for r in back] == [0, 1, 2, 3, 4, 5]
+    for report, want in zip(back, expected + expected):
+        assert all(torch.equal(report["saves"][name], value) for name, value in want.items())
+    assert back[0]["saves"]["resid"].data_ptr() != back[3]["saves"]["resid"].data_ptr()

@@ -38,6 +38,7 @@ from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
 MAILBOX = "@mailbox"  # pseudo-module of the points receivers wait at: Point(MAILBOX, name)
+RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see _reserve_ahead)
 
 
 @dataclass
@@ -166,6 +167,7 @@ class Interleaver:
         self.reporter = Reporter()
         self.slots = SlotTable()
         self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
+        self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self.device = next(model.parameters()).device
 
@@ -233,12 +235,27 @@ class Interleaver:
         batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
         for state in finished:
             batches[(state.sink, state.trace)].append(state)
+        live = {(state.sink, state.trace) for state in self.invokes.values()}
         stage = self.rank["pp_rank"]
         for (sink, trace), states in batches.items():
             taken = self.ledger.take(trace, [state.slot for state in states])
             reports = [_report_of(state, stage) for state in states]
             objects = [state.saves for state in states]
-            self.reporter.submit(functools.partial(_write_reports, sink, trace, stage, reports, taken, objects))
+            last = (sink, trace) not in live  # this rank's last batch of the trace
+            if last:
+                self._reserving.pop((sink, trace), None)
+            self.reporter.submit(functools.partial(_write_reports, sink, trace, stage, reports, taken, objects, last))
+
+    def _reserve_ahead(self, state: InvokeState, nbytes: int) -> None:
+        """Keep the trace's report data file reserved ahead of its saves (see report_file.py): a
+        job for the reporter thread each time the saves grow by a quarter, from RESERVE_MIN on."""
+        key = (state.sink, state.trace)
+        saved, reserved = self._reserving.get(key, (0, 0))
+        saved += nbytes
+        if saved >= max(reserved, RESERVE_MIN):
+            reserved = saved + saved // 4
+            self.reporter.submit(functools.partial(_reserve, state.sink, state.trace, self.rank["pp_rank"], reserved))
+        self._reserving[key] = (saved, reserved)
 
     # --- per step ------------------------------------------------------------------------------
 
@@ -491,6 +508,7 @@ class Interleaver:
         self.slots.save_used[slots] = used
         if self.rank["tp_rank"] == 0:
             self.ledger.add(invokes[0].trace, name, value, slots, starts, stops)
+            self._reserve_ahead(invokes[0], len(value) * row_bytes)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
@@ -583,14 +601,24 @@ def _report_of(state: InvokeState, stage: int) -> dict:
             "shared": state.shared, "error": state.error}
 
 
+def _reserve(sink: str, trace: str, stage: int, nbytes: int) -> None:
+    """On the reporter thread, while the trace runs: its report data file ``nbytes`` long."""
+    try:
+        open_sink(sink).reserve(trace, stage, nbytes)
+    except OSError:  # e.g. no room now: the report tries again, and fails with the reason if it must
+        pass
+
+
 def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
-                   objects: list[dict[str, list]]) -> None:
+                   objects: list[dict[str, list]], last: bool) -> None:
     """On the reporter thread: write one batch of reports, then let the saves' host memory be
-    reused (the reports hold copies of it)."""
+    reused (the reports hold copies of it); after the trace's last batch, close its data file."""
     try:
         _write_batch(sink, trace, stage, reports, taken, objects)
     finally:
         taken.release()
+        if last:
+            open_sink(sink).close(trace, stage)
 
 
 def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,

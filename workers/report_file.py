@@ -1,20 +1,26 @@
-"""The report batch file: one batch of a rank's reports, written in one pass, mapped by the driver.
+"""Report files: a rank's saved rows for a trace, and its reports in batches, mapped by the driver.
 
-    [data region: saved rows, each tensor 64-byte aligned][header: the reports, pickled][trailer]
+    <trace>/<stage>-<pid>-<n>.data     the saved rows of every batch this rank reports for the
+                                       trace, appended region by region (each tensor 64-byte
+                                       aligned, each region page aligned)
+    <trace>/<stage>-<invoke>.reports   one batch: [prefix: data file, region][header: pickled reports]
 
-The saves' rows are gathered straight into the data region (the file is sized up front and mapped
-shared while it is written), so gathering them is writing them: one copy of the bytes, where
-gathering into memory and then ``torch.save`` made three. The header holds everything else (the
-report dicts, values that are not rows, shared contributions, errors), pickled with each tensor of
-the data region replaced by a reference to it (offset, dtype, shape, strides); any other tensor is
-pickled whole. The trailer says where the header is. The driver maps the data region
+Gathering a sweep's saves into memory that nobody has touched yet is mostly the kernel finding and
+mapping pages (of 0.33 s for 512 MiB on an H200 host, most was that, not copying). So the data
+file is reserved ahead: while the trace runs, the reporter thread (idle then) allocates and maps
+pages as the saves grow (:meth:`DataFile.reserve`), and gathering a batch into its region is a
+plain copy. The header holds everything else (the report dicts, values that are not rows, shared
+contributions, errors), pickled with each tensor of the batch's region replaced by a reference to
+it (offset, dtype, shape, strides); any other tensor is pickled whole. The driver maps the region
 copy-on-write and rebuilds those tensors as views of it: nothing is copied on read, and a user
 editing a result does not change the file.
 
-    writer = ReportFileWriter(fd)
+    data = DataFile(folder / "0-123-0.data"); data.reserve(512 << 20)   (ahead, reporter thread)
+    writer = ReportFileWriter(fd, data)
     l3, l4 = writer.allocate([((n, 2048), torch.bfloat16), ((n, 2048), torch.bfloat16)])
     ...gather rows into l3 and l4; put views of them in the reports...
     writer.finish(reports)
+    data.close()                                                       (the trace's last batch)
     read_report_file(path)  ->  the reports; their rows are views of one copy-on-write mapping
 """
 
@@ -32,84 +38,132 @@ from typing import Any, Sequence
 import torch
 
 _ALIGN = 64  # every tensor starts on a cache line, and at a multiple of any element size
-_TRAILER = struct.Struct("<8sQQ")  # magic, header offset, header length
+_PAGE = mmap.ALLOCATIONGRANULARITY  # regions start on a page: the driver maps each one alone
+_VIRTUAL_BYTES = 1 << 38  # a data file's address space (the file is sparse: no memory until reserved)
+_PREFIX = struct.Struct("<8sQQH")  # magic, region start, region length, data file name length
 _MAGIC = b"ilreport"
 
 TensorSpec = tuple[Sequence[int], torch.dtype]
 
 
-class ReportFileWriter:
-    """Writes one batch file into ``fd`` (an empty file the caller created, names and closes)."""
+class DataFile:
+    """One trace's saved rows on one rank; batches append regions. Used from one thread.
 
-    def __init__(self, fd: int):
+    The file is sparse at a large size and mapped once, so reserving more never remaps and a
+    region is a slice of one mapping. :meth:`close` truncates it to what batches used.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path  # created at the first reservation
+        self.bytes: torch.Tensor | None = None  # the whole file, as one tensor, once open
+        self.used = 0  # bytes handed out to regions
+        self.reserved = 0  # bytes allocated and mapped
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate and map the first ``nbytes`` now, so that writing them later faults nothing."""
+        nbytes = _round_up(nbytes, _PAGE)
+        if nbytes <= self.reserved:
+            return
+        if self.bytes is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(self._fd, _VIRTUAL_BYTES)
+            mapping = mmap.mmap(self._fd, _VIRTUAL_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+        # Allocated first: a full disk or /dev/shm fails here (ENOSPC, a failed report) rather than
+        # killing the worker with SIGBUS at a write to a page that cannot be had.
+        os.posix_fallocate(self._fd, self.reserved, nbytes - self.reserved)
+        self.bytes[self.reserved : nbytes : _PAGE].zero_()  # one write per page maps it
+        self.reserved = nbytes
+
+    def region(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The next ``nbytes`` (reserved now if they were not): their offset, and the bytes."""
+        start = self.used
+        self.reserve(start + nbytes)
+        self.used = _round_up(start + nbytes, _PAGE)
+        return start, self.bytes[start : start + nbytes]
+
+    def close(self) -> None:
+        """No more batches: give back reserved pages no region used. Tensors viewing the file keep
+        its mapping until they are dropped."""
+        if self.bytes is not None:
+            os.ftruncate(self._fd, self.used)
+            os.close(self._fd)
+            self.bytes = None
+
+
+class ReportFileWriter:
+    """Writes one batch's header file into ``fd`` (an empty file the caller created, names and
+    closes); its saved rows go to a region of ``data``."""
+
+    def __init__(self, fd: int, data: DataFile | None):
         self._fd = fd
-        self._data: torch.Tensor | None = None  # the data region, as bytes; None while unmapped
-        self._data_bytes = 0
+        self._data = data
+        self._region: tuple[int, int] = (0, 0)  # start and length in the data file; none yet
         self.reports: list[dict] | None = None  # set by finish()
 
     def allocate(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
-        """Uninitialised tensors in the data region, one per ``(shape, dtype)``; call at most
-        once, before :meth:`finish`. Tensors saved in the reports that are views of these are
+        """Uninitialised tensors in one region of the data file, one per ``(shape, dtype)``; call at
+        most once, before :meth:`finish`. Tensors saved in the reports that are views of these are
         stored by reference."""
-        if self._data is not None or self.reports is not None:
-            raise RuntimeError("a report file's data region is allocated once, before finish()")
+        if self._region[1] or self.reports is not None:
+            raise RuntimeError("a report batch's region is allocated once, before finish()")
         offsets, end = [], 0
         for shape, dtype in specs:
             offsets.append(end)
-            end += _aligned(math.prod(shape) * dtype.itemsize)
-        if end == 0:
+            end += _round_up(math.prod(shape) * dtype.itemsize, _ALIGN)
+        if end == 0 or self._data is None:
             return [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
-        # Reserve the space now: a full disk or /dev/shm fails here (ENOSPC, a failed report)
-        # rather than killing the worker with SIGBUS when the gather first writes a missing page.
-        os.posix_fallocate(self._fd, 0, end)
-        # Not MAP_POPULATE: mapping every page up front cost more than the gather's own page faults
-        # (512 MiB on a 16-core GPU host: 0.17-0.24 s against about 0.02 s; even on 2 cores).
-        region = mmap.mmap(self._fd, end, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # The tensors keep the mapping alive; it is unmapped when the last of them is dropped.
-        self._data, self._data_bytes = torch.frombuffer(region, dtype=torch.uint8), end
-        return [self._data[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
+        start, region = self._data.region(end)
+        self._region = (start, end)
+        return [region[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
                 for offset, (shape, dtype) in zip(offsets, specs)]
 
     def finish(self, reports: list[dict]) -> None:
-        """Pickle ``reports`` as the header after the data region, then the trailer."""
+        """Write the prefix (where the region is) and ``reports`` pickled as the header."""
+        name = self._data.path.name.encode() if self._region[1] else b""
         with io.BufferedWriter(io.FileIO(self._fd, "wb", closefd=False), buffer_size=1 << 20) as out:
-            out.seek(self._data_bytes)
-            _HeaderPickler(out, self._data).dump(reports)
-            header_bytes = out.tell() - self._data_bytes
-            out.write(_TRAILER.pack(_MAGIC, self._data_bytes, header_bytes))
+            out.write(_PREFIX.pack(_MAGIC, *self._region, len(name)) + name)
+            _HeaderPickler(out, self._data.bytes if self._region[1] else None, *self._region).dump(reports)
         self.reports = reports
 
 
 def read_report_file(path: Path) -> list[dict]:
-    """The reports of a complete batch file; tensors of its data region are views of one private
-    (copy-on-write) mapping of it, which stays valid after the file is removed."""
+    """The reports of a complete batch file; tensors of its region are views of one private
+    (copy-on-write) mapping of it, which stays valid after the files are removed."""
     with open(path, "rb") as f:
-        f.seek(-_TRAILER.size, os.SEEK_END)
-        magic, data_bytes, header_bytes = _TRAILER.unpack(f.read(_TRAILER.size))
+        magic, start, length, name_len = _PREFIX.unpack(f.read(_PREFIX.size))
         if magic != _MAGIC:
-            raise ValueError(f"{path} is not an interlace report file (trailer {magic!r})")
-        f.seek(data_bytes)
-        header = f.read(header_bytes)
-    data = torch.from_file(str(path), shared=False, size=data_bytes, dtype=torch.uint8) if data_bytes else None
-    return _HeaderUnpickler(io.BytesIO(header), data).load()
+            raise ValueError(f"{path} is not an interlace report file (prefix {magic!r})")
+        name = f.read(name_len).decode()
+        return _HeaderUnpickler(f, _map_private(path.parent / name, start, length) if length else None).load()
+
+
+def _map_private(path: Path, start: int, length: int) -> torch.Tensor:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        region = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
 
 
 class _HeaderPickler(pickle.Pickler):
-    """Tensors that are views of the data region become references; any other tensor is pickled
-    whole, and only its own bytes (a view of a large tensor would otherwise carry all of it)."""
+    """Tensors inside the batch's region become references; any other tensor is pickled whole,
+    and only its own bytes (a view of a large tensor would otherwise carry all of it)."""
 
-    def __init__(self, file, data: torch.Tensor | None):
+    def __init__(self, file, data: torch.Tensor | None, start: int, length: int):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._data_ptr = data.data_ptr() if data is not None else None
+        self._start, self._stop = start, start + length
 
     def persistent_id(self, obj: Any) -> tuple | None:
         if (type(obj) is not torch.Tensor or self._data_ptr is None or obj.device.type != "cpu"
-                or obj.layout is not torch.strided):
+                or obj.layout is not torch.strided or obj.untyped_storage().data_ptr() != self._data_ptr):
             return None
-        if obj.untyped_storage().data_ptr() != self._data_ptr:
+        offset = obj.storage_offset() * obj.element_size()
+        if not self._start <= offset < self._stop:
             return None
-        return ("data", _dtype_name(obj.dtype), obj.storage_offset() * obj.element_size(),
-                tuple(obj.shape), obj.stride())
+        return ("data", _dtype_name(obj.dtype), offset - self._start, tuple(obj.shape), obj.stride())
 
     def reducer_override(self, obj: Any) -> Any:
         if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout is torch.strided
@@ -122,7 +176,7 @@ class _HeaderUnpickler(pickle.Unpickler):
     def __init__(self, file, data: torch.Tensor | None):
         super().__init__(file)
         self._data = data
-        self._typed: dict[str, torch.Tensor] = {}  # the data region viewed as each dtype
+        self._typed: dict[str, torch.Tensor] = {}  # the region viewed as each dtype
 
     def persistent_load(self, pid: tuple) -> torch.Tensor:
         kind, dtype, offset, shape, stride = pid
@@ -134,8 +188,8 @@ class _HeaderUnpickler(pickle.Unpickler):
         return typed.as_strided(shape, stride, offset // typed.element_size())
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def _round_up(nbytes: int, unit: int) -> int:
+    return -(-nbytes // unit) * unit
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -15,6 +15,8 @@ invokes x 128 steps x 4 names, four concatenations and four row selections, not 
 from __future__ import annotations
 
 from collections import defaultdict
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -149,9 +151,10 @@ class TakenSaves:
         plans = {name: _plan(parts, self.wanted) for name, parts in self.parts.items()}
         gathers = {name: plan for name, plan in plans.items() if isinstance(plan, _Gather)}
         into = dict(zip(gathers, allocate([(g.shape, g.dtype) for g in gathers.values()])))
+        _copy([(rows, dest, into[name]) for name, plan in gathers.items() for rows, dest in plan.copies])
         results: list[dict[str, Any]] = [{} for _ in self.wanted]
         for name, plan in plans.items():
-            for i, value in (plan.into(into[name]) if name in into else plan).items():
+            for i, value in (plan.views(into[name]) if name in into else plan).items():
                 results[i][name] = value
         return results
 
@@ -166,13 +169,40 @@ class _Gather:
     owners: list[int]  # index into ``wanted`` of each owner with rows, in destination order
     counts: list[int]  # each such owner's number of rows
 
-    def into(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
-        for rows, dest in self.copies:
-            if isinstance(dest, slice):
-                out[dest].copy_(rows)  # one run (e.g. a single invoke)
-            else:
-                out.index_copy_(0, dest, rows)
+    def views(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each owner's rows of ``out``, once the copies have filled it."""
         return dict(zip(self.owners, out.split(self.counts)))
+
+
+_COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_PARALLEL_BYTES = 16 << 20  # below this, one thread: handing work over would cost more
+_copy_pool: ThreadPoolExecutor | None = None
+
+
+def _copy(copies: list[tuple[torch.Tensor, slice | torch.Tensor, torch.Tensor]]) -> None:
+    """Each chunk's rows into its destination rows of ``out``. A large report is shared among a
+    few threads, in runs of about equal bytes (torch's copies release the GIL, and vLLM runs torch
+    with one thread per worker, so they would otherwise use one core)."""
+    global _copy_pool
+    total = sum(rows.nbytes for rows, _, _ in copies)
+    if total < _PARALLEL_BYTES or _COPY_THREADS == 1:
+        _copy_run(copies)
+        return
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="interlace-gather")
+    ends = np.cumsum([rows.nbytes for rows, _, _ in copies])
+    cuts = np.searchsorted(ends, np.arange(1, _COPY_THREADS) * total / _COPY_THREADS).tolist()
+    runs = [copies[a:b] for a, b in zip([0, *cuts], [*cuts, len(copies)]) if b > a]
+    for done in [_copy_pool.submit(_copy_run, run) for run in runs]:
+        done.result()
+
+
+def _copy_run(copies: list[tuple[torch.Tensor, slice | torch.Tensor, torch.Tensor]]) -> None:
+    for rows, dest, out in copies:
+        if isinstance(dest, slice):
+            out[dest].copy_(rows)  # one run (e.g. a single invoke)
+        else:
+            out.index_copy_(0, dest, rows)
 
 
 def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gather | dict[int, object]:
