@@ -147,6 +147,15 @@ class Step:
     ops: dict[Point, list[StepOp]]  # ops to apply at each point this step, in order
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
+    _rows: dict[bytes, Rows] = field(default_factory=dict)
+
+    def rows_at(self, rows: np.ndarray, device) -> Rows:
+        """``Rows.at``, once per step for each distinct selection: a sweep saving 4 layers sends
+        one index to the GPU per step, not 4."""
+        key = rows.tobytes()
+        if key not in self._rows:
+            self._rows[key] = Rows.at(rows, device)
+        return self._rows[key]
 
 
 class Interleaver:
@@ -413,7 +422,7 @@ class Interleaver:
         for kind in kinds:
             point = Point(module, kind)
             for step_op in step.ops.get(point, ()):
-                self._apply_op(point, access, step_op)
+                self._apply_op(step, point, access, step_op)
         while True:
             ready = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.module == module
                      and c.waiting_for.kind in kinds]
@@ -425,9 +434,9 @@ class Interleaver:
                     self._pump(step)
         return access.result()
 
-    def _apply_op(self, point: Point, access: PointAccess, step_op: StepOp) -> None:
+    def _apply_op(self, step: Step, point: Point, access: PointAccess, step_op: StepOp) -> None:
         op = step_op.op
-        rows = Rows.at(step_op.rows, access.device)
+        rows = step.rows_at(step_op.rows, access.device)
         split = self.tp.split(point.module, point.kind)
         try:
             value = _gather(split, access.read(point, rows))
