@@ -151,7 +151,7 @@ class TakenSaves:
         plans = {name: _plan(parts, self.wanted) for name, parts in self.parts.items()}
         gathers = {name: plan for name, plan in plans.items() if isinstance(plan, _Gather)}
         into = dict(zip(gathers, allocate([(g.shape, g.dtype) for g in gathers.values()])))
-        _copy([(rows, dest, into[name]) for name, plan in gathers.items() for rows, dest in plan.copies])
+        _copy([(copy, into[name]) for name, plan in gathers.items() for copy in plan.copies])
         results: list[dict[str, Any]] = [{} for _ in self.wanted]
         for name, plan in plans.items():
             for i, value in (plan.views(into[name]) if name in into else plan).items():
@@ -160,12 +160,25 @@ class TakenSaves:
 
 
 @dataclass
+class _Copy:
+    """Rows of one chunk into their places in a name's gathered tensor."""
+
+    rows: torch.Tensor  # the chunk's rows
+    source: torch.Tensor | None  # which of them, in destination order (None: all, in order)
+    dest: slice | torch.Tensor  # where they go
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes if self.source is None else self.rows[:1].nbytes * len(self.source)
+
+
+@dataclass
 class _Gather:
     """One name's rows, planned: the tensor they are gathered into, and which rows go where."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    copies: list[tuple[torch.Tensor, slice | torch.Tensor]]  # per chunk: rows, and where they go (in order)
+    copies: list[_Copy]  # one per chunk
     owners: list[int]  # index into ``wanted`` of each owner with rows, in destination order
     counts: list[int]  # each such owner's number of rows
 
@@ -179,30 +192,37 @@ _PARALLEL_BYTES = 16 << 20  # below this, one thread: handing work over would co
 _copy_pool: ThreadPoolExecutor | None = None
 
 
-def _copy(copies: list[tuple[torch.Tensor, slice | torch.Tensor, torch.Tensor]]) -> None:
-    """Each chunk's rows into its destination rows of ``out``. A large report is shared among a
+def _copy(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
+    """Each chunk's rows into their places in its name's tensor. A large report is shared among a
     few threads, in runs of about equal bytes (torch's copies release the GIL, and vLLM runs torch
     with one thread per worker, so they would otherwise use one core)."""
     global _copy_pool
-    total = sum(rows.nbytes for rows, _, _ in copies)
+    ends = np.cumsum([copy.nbytes for copy, _ in copies])
+    total = int(ends[-1]) if len(ends) else 0
     if total < _PARALLEL_BYTES or _COPY_THREADS == 1:
         _copy_run(copies)
         return
     if _copy_pool is None:
         _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="interlace-gather")
-    ends = np.cumsum([rows.nbytes for rows, _, _ in copies])
     cuts = np.searchsorted(ends, np.arange(1, _COPY_THREADS) * total / _COPY_THREADS).tolist()
     runs = [copies[a:b] for a, b in zip([0, *cuts], [*cuts, len(copies)]) if b > a]
     for done in [_copy_pool.submit(_copy_run, run) for run in runs]:
         done.result()
 
 
-def _copy_run(copies: list[tuple[torch.Tensor, slice | torch.Tensor, torch.Tensor]]) -> None:
-    for rows, dest, out in copies:
-        if isinstance(dest, slice):
-            out[dest].copy_(rows)  # one run (e.g. a single invoke)
+def _copy_run(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
+    scratch = torch.empty(0, dtype=torch.uint8)  # rows picked out of a chunk, reused: fresh memory
+    for copy, out in copies:  # for each chunk would fault in its pages every time
+        rows = copy.rows
+        if copy.source is not None:
+            if scratch.numel() < copy.nbytes:
+                scratch = torch.empty(copy.nbytes, dtype=torch.uint8)
+            picked = scratch[: copy.nbytes].view(rows.dtype).view(len(copy.source), *rows.shape[1:])
+            rows = torch.index_select(rows, 0, copy.source, out=picked)
+        if isinstance(copy.dest, slice):
+            out[copy.dest].copy_(rows)  # one run (e.g. a single invoke)
         else:
-            out.index_copy_(0, dest, rows)
+            out.index_copy_(0, copy.dest, rows)
 
 
 def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gather | dict[int, object]:
@@ -233,9 +253,9 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
         source = row_source[dest]
         by_source = np.argsort(source, kind="stable")
         if np.array_equal(source[by_source], np.arange(len(c.rows))):  # every row of the chunk: scatter it
-            copies.append((c.rows, _destination(dest[by_source])))  # (no intermediate copy)
+            copies.append(_Copy(c.rows, None, _destination(dest[by_source])))
         elif len(dest):
-            copies.append((c.rows[torch.from_numpy(source)], _destination(dest)))
+            copies.append(_Copy(c.rows, torch.from_numpy(source), _destination(dest)))
     present = np.unique(invoke)
     counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
     first = parts[0][0].rows
