@@ -142,7 +142,11 @@ def install_probes() -> None:
     timed(saves, "host_copy", "saves.host_copy")
     timed(saves.SaveLedger, "take", "reports: ledger.take")
     timed(saves.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
+    timed(report_file.ReportFileWriter, "allocate", "  gather: region of the data file", debug_sync=False)
+    timed(saves, "_plan", "  gather: plan", debug_sync=False)
+    timed(saves, "_copy", "  gather: copies", debug_sync=False)
     timed(report_file.ReportFileWriter, "finish", "reports: header (reporter)", debug_sync=False)
+    timed(report_file.DataFile, "reserve", "reports: reserving the data file (reporter, ahead)", debug_sync=False)
     timed(driver_model, "read_new_reports", "driver: read reports", debug_sync=False)
 
 

@@ -251,9 +251,10 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
     for i, (c, _) in enumerate(parts):
         dest = by_chunk[bounds[i] : bounds[i + 1]]
         source = row_source[dest]
-        by_source = np.argsort(source, kind="stable")
-        if np.array_equal(source[by_source], np.arange(len(c.rows))):  # every row of the chunk: scatter it
-            copies.append(_Copy(c.rows, None, _destination(dest[by_source])))
+        if len(dest) == len(c.rows):  # every row of the chunk (a permutation of them): scatter it whole
+            in_order = np.empty_like(dest)
+            in_order[source] = dest
+            copies.append(_Copy(c.rows, None, _destination(in_order)))
         elif len(dest):
             copies.append(_Copy(c.rows, torch.from_numpy(source), _destination(dest)))
     present = np.unique(invoke)
