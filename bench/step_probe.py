@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no-baseline", action="store_true", help="skip the 'none' case (e.g. under a profiler)")
+    parser.add_argument("--reserve-ab", action="store_true",
+                        help="run each case also without reserving report data files ahead (an A/B in one process)")
     args = parser.parse_args()
 
     import interlace
@@ -171,14 +173,18 @@ def main() -> None:
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
     install_probes()
+    from interlace.workers import interleaver
+
+    variants = [("", interleaver.RESERVE_MIN)] + ([(" (no reserving ahead)", 1 << 62)] if args.reserve_ab else [])
     for name in ([] if args.no_baseline else ["none"]) + args.cases.split(","):
-        for warm in (True, False):
+        for (variant, reserve_min), warm in [(v, w) for w in (True, False) for v in variants]:
+            interleaver.RESERVE_MIN = reserve_min
             TOTALS.clear(), COUNTS.clear(), SYNCS.clear()
             seconds, tokens, saved = run_interlace(model, data, args.out, cases[name])
             if warm:
                 continue
             steps = max(1, COUNTS["runner.execute_model"])
-            print(f"\n{name}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved")
+            print(f"\n{name}{variant}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved")
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
             for where, count in SYNCS.most_common(10):
