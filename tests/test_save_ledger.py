@@ -71,3 +71,22 @@ def test_slab_memory_is_reused_only_after_reports_let_go():
         assert results[trace][7]["h"].shape == (100, hidden)
         assert results[trace][7]["h"][:, 0].tolist() == [offset + s for s in range(100)]
         assert results[trace][255]["h"][:, -1].tolist() == [offset + s for s in range(100)]
+
+
+def test_rows_of_any_width_and_layout_gather_exactly_also_split_across_batches():
+    """Rows are copied as wide elements when a row allows it (16 bytes: bfloat16 x 8), else as
+    they are (int8 x 3; a transposed, non-contiguous value); split across two reports either way."""
+    torch.manual_seed(0)
+    values = {"wide": torch.randn(4, 8).to(torch.bfloat16), "odd": torch.randint(-9, 9, (4, 3), dtype=torch.int8),
+              "strided": torch.randn(5, 4).t()}
+    ledger = SaveLedger()
+    owners, one_row_each = np.array([3, 1, 2, 0]), dict(starts=np.arange(4), stops=np.arange(1, 5))
+    for step in range(2):
+        for name, value in values.items():
+            ledger.add("t", name, value + step, owners=owners, **one_row_each)
+    first = ledger.take("t", [0, 2]).assemble()  # two of the four finish first
+    rest = ledger.take("t", [1, 3]).assemble()
+    for slot, saves in zip([0, 2, 1, 3], first + rest):
+        row = int(np.flatnonzero(owners == slot)[0])
+        for name, value in values.items():
+            assert torch.equal(saves[name], torch.stack([value[row], value[row] + 1])), (slot, name)

@@ -166,10 +166,7 @@ class _Copy:
     rows: torch.Tensor  # the chunk's rows
     source: torch.Tensor | None  # which of them, in destination order (None: all, in order)
     dest: slice | torch.Tensor  # where they go
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.nbytes if self.source is None else self.rows[:1].nbytes * len(self.source)
+    nbytes: int  # bytes copied
 
 
 @dataclass
@@ -187,7 +184,7 @@ class _Gather:
         return dict(zip(self.owners, out.split(self.counts)))
 
 
-_COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))  # of the cores this process may use
 _PARALLEL_BYTES = 16 << 20  # below this, one thread: handing work over would cost more
 _copy_pool: ThreadPoolExecutor | None = None
 
@@ -197,7 +194,7 @@ def _copy(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
     few threads, in runs of about equal bytes (torch's copies release the GIL, and vLLM runs torch
     with one thread per worker, so they would otherwise use one core)."""
     global _copy_pool
-    ends = np.cumsum([copy.nbytes for copy, _ in copies])
+    ends = np.cumsum([copy.nbytes for copy, _ in copies], dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
     if total < _PARALLEL_BYTES or _COPY_THREADS == 1:
         _copy_run(copies)
@@ -213,16 +210,32 @@ def _copy(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
 def _copy_run(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
     scratch = torch.empty(0, dtype=torch.uint8)  # rows picked out of a chunk, reused: fresh memory
     for copy, out in copies:  # for each chunk would fault in its pages every time
-        rows = copy.rows
+        rows, target = _wide_rows(copy.rows), _wide_rows(out)
+        if rows.shape[1:] != target.shape[1:]:  # one of them could not be widened: both as they are
+            rows, target = copy.rows, out
         if copy.source is not None:
             if scratch.numel() < copy.nbytes:
                 scratch = torch.empty(copy.nbytes, dtype=torch.uint8)
-            picked = scratch[: copy.nbytes].view(rows.dtype).view(len(copy.source), *rows.shape[1:])
+            picked = scratch[: copy.nbytes].view(rows.dtype).view(-1, *rows.shape[1:])
             rows = torch.index_select(rows, 0, copy.source, out=picked)
         if isinstance(copy.dest, slice):
-            out[copy.dest].copy_(rows)  # one run (e.g. a single invoke)
+            target[copy.dest].copy_(rows)  # one run (e.g. a single invoke)
         else:
-            out.index_copy_(0, copy.dest, rows)
+            target.index_copy_(0, copy.dest, rows)
+
+
+def _wide_rows(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous rows as ``[n, k]`` of the widest element that divides a row: torch's indexed
+    copies on the CPU go element by element, and 16-byte elements copy about twice as fast as
+    bfloat16's (measured on 128 MiB). Other tensors are returned as they are."""
+    n = t.shape[0] if t.dim() else 0
+    if n == 0 or not t.is_contiguous():
+        return t
+    row_bytes = t.nbytes // n
+    for wide in (torch.complex128, torch.int64, torch.int32):
+        if row_bytes % wide.itemsize == 0 and t.data_ptr() % wide.itemsize == 0:
+            return t.view(n, -1).view(torch.uint8).view(wide)
+    return t
 
 
 def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gather | dict[int, object]:
@@ -247,19 +260,20 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
     row_source = np.repeat(start - np.cumsum(length) + length, length) + np.arange(length.sum())
     by_chunk = np.argsort(row_chunk, kind="stable")  # destination rows grouped by source chunk
     bounds = np.cumsum([0] + np.bincount(row_chunk, minlength=len(parts)).tolist())
+    first = parts[0][0].rows
+    row_bytes = first[:1].nbytes
     copies = []
     for i, (c, _) in enumerate(parts):
         dest = by_chunk[bounds[i] : bounds[i + 1]]
         source = row_source[dest]
-        if len(dest) == len(c.rows):  # every row of the chunk (a permutation of them): scatter it whole
+        if len(dest) == c.rows.shape[0]:  # every row of the chunk (a permutation of them): scatter it whole
             in_order = np.empty_like(dest)
             in_order[source] = dest
-            copies.append(_Copy(c.rows, None, _destination(in_order)))
+            copies.append(_Copy(c.rows, None, _destination(in_order), row_bytes * len(dest)))
         elif len(dest):
-            copies.append(_Copy(c.rows, torch.from_numpy(source), _destination(dest)))
+            copies.append(_Copy(c.rows, torch.from_numpy(source), _destination(dest), row_bytes * len(dest)))
     present = np.unique(invoke)
     counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
-    first = parts[0][0].rows
     return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist())
 
 
