@@ -65,6 +65,17 @@ def test_infinite_loop_is_cut_off(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_the_time_limit_is_for_the_whole_trace_not_each_step(llama, oracles):
+    def slow(m):  # 0.3 s at every step: within 1 s at any one step, past it by the fourth
+        m.layers[0].resid
+        time.sleep(0.3)
+
+    with pytest.raises(interlace.InterventionError, match="time limit"):
+        with llama.trace(timeout_s=1, max_tokens=8) as tr:
+            tr.invoke(PROMPT, program=slow)
+    _still_serves(llama, oracles)
+
+
 def test_write_of_wrong_shape_or_dtype_is_refused(llama, oracles):
     def wrong_shape(m):
         m.layers[1].resid = torch.zeros(3)

@@ -14,6 +14,7 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -55,7 +56,6 @@ class InvokeState:
     ops: list[dict]
     steps: frozenset[int] | None  # program steps; None = every step
     sink: str
-    timeout_s: float
     max_save_bytes: int
     saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
@@ -178,6 +178,8 @@ class Interleaver:
         self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
         self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
+        self._group_numbers: dict[str, int] = {}  # live program group key -> its number in slots.group
+        self._group_counter = itertools.count()
         self.device = next(model.parameters()).device
 
     @property
@@ -188,18 +190,19 @@ class Interleaver:
 
     def admit(self, req_id: str, prompt_len: int, payload_bytes: bytes) -> None:
         payload = cloudpickle.loads(payload_bytes)
+        steps = payload.get("steps")
         state = InvokeState(
             req_id=req_id,
-            slot=self.slots.add(prompt_len, payload["max_save_bytes"]),
+            slot=self.slots.add(prompt_len, payload["max_save_bytes"], payload["timeout_s"], payload["invoke"],
+                                some_steps=steps is not None),
             trace=payload["trace"],
             invoke=payload["invoke"],
             prompt_len=prompt_len,
             program=None,
             group_key=None,
             ops=payload.get("ops", []),
-            steps=frozenset(payload["steps"]) if payload.get("steps") is not None else None,
+            steps=frozenset(steps) if steps is not None else None,
             sink=payload["sink"],
-            timeout_s=payload["timeout_s"],
             max_save_bytes=payload["max_save_bytes"],
         )
         self.invokes[req_id] = state
@@ -212,6 +215,9 @@ class Interleaver:
                     self._programs[key] = _on_device(cloudpickle.loads(payload["program"]), self.device)
                 state.program = self._programs[key]
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
+                if state.group_key not in self._group_numbers:
+                    self._group_numbers[state.group_key] = next(self._group_counter)
+                self.slots.group[state.slot] = self._group_numbers[state.group_key]
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
             state.fail(error_record(exc, where="loading the invoke's program and ops"))
         for op in state.ops:
@@ -236,6 +242,9 @@ class Interleaver:
             self._report(finished)
         for state in finished:  # after the report: the ledger has let go of the slot's rows
             self.slots.remove(state.slot)
+        if finished and self._group_numbers:
+            live = {state.group_key for state in self.invokes.values()}
+            self._group_numbers = {key: n for key, n in self._group_numbers.items() if key in live}
         if not self.invokes:
             self._programs.clear()
 
@@ -290,7 +299,7 @@ class Interleaver:
                         state.fail(carried.error)
                 continue
             ctx = CallContext(key=group_key, tree=self.tree, services=self, members=members,
-                              timeout_s=members.states[0].timeout_s)
+                              timeout_s=float(self.slots.time_left[members.slots[0]]))
             view = ProgramView(ctx)
             call = ProgramCall(members.states[0].program, view, budget_s=ctx.timeout_s,
                                replay=carried.values if carried is not None else None,
@@ -346,27 +355,23 @@ class Interleaver:
         One call per group for the whole scheduler step: a batched sweep's invokes run together
         even when vLLM admitted their prompts in different steps (so their generation steps differ).
         """
-        groups: dict[str, list[int]] = defaultdict(list)
-        for j, state in enumerate(scheduled.states):
-            if state.program is not None and (state.steps is None or int(scheduled.steps[j]) in state.steps):
-                groups[state.group_key].append(j)
+        group = self.slots.group[scheduled.slots]
+        runs = group >= 0
+        for j in np.flatnonzero(runs & self.slots.some_steps[scheduled.slots]).tolist():
+            runs[j] = int(scheduled.steps[j]) in scheduled.states[j].steps
         chunked = ~scheduled.final | ((scheduled.steps == 0) & (scheduled.firsts > 0))
-        result, failed = {}, False
-        for key, members in groups.items():
-            index = np.array(members, dtype=np.int64)
-            for j in index[chunked[index]].tolist():
-                state, failed = scheduled.states[j], True
-                state.fail(error_record(RuntimeError(
-                    f"the prompt ({state.prompt_len} tokens) was split across scheduler steps by "
-                    "chunked prefill (it is longer than the engine's max_num_batched_tokens), so a "
-                    "program cannot see it whole at step 0; start the engine with a larger "
-                    "max_num_batched_tokens or enable_chunked_prefill=False, or use declarative ops, "
-                    "which handle chunks exactly"), where="step 0"))
-            index = index[~chunked[index]]
-            if len(index):
-                order = np.argsort([scheduled.states[j].invoke for j in index.tolist()], kind="stable")
-                result[key] = scheduled.pick(index[order])
-        return result, failed
+        for j in np.flatnonzero(runs & chunked).tolist():
+            state = scheduled.states[j]
+            state.fail(error_record(RuntimeError(
+                f"the prompt ({state.prompt_len} tokens) was split across scheduler steps by "
+                "chunked prefill (it is longer than the engine's max_num_batched_tokens), so a "
+                "program cannot see it whole at step 0; start the engine with a larger "
+                "max_num_batched_tokens or enable_chunked_prefill=False, or use declarative ops, "
+                "which handle chunks exactly"), where="step 0"))
+        index = np.flatnonzero(runs & ~chunked)
+        index = index[np.lexsort((self.slots.invoke[scheduled.slots[index]], group[index]))]  # by group, then invoke
+        groups = np.split(index, np.flatnonzero(np.diff(group[index])) + 1) if len(index) else []
+        return {scheduled.states[g[0]].group_key: scheduled.pick(g) for g in groups}, bool((runs & chunked).any())
 
     def end_step(self) -> dict[str, Carried]:
         """Close the step's calls; returns what the next pipeline stage needs to go on."""
@@ -481,8 +486,8 @@ class Interleaver:
         if call.error is not None:
             for inv in ctx.invokes:
                 inv.fail(call.error)
-        for inv in ctx.invokes:
-            inv.timeout_s = max(0.0, inv.timeout_s - call.used_s)
+        slots = ctx.members.slots
+        self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - call.used_s)
 
     # --- services for programs (called from the program thread while the engine waits) --------
 

@@ -6,7 +6,7 @@ step over a :class:`SlotTable` rather than a Python loop over invokes (0.5-1 ms 
 invokes, measured on an H200 host).
 
     table = SlotTable()
-    slot = table.add(prompt_len=12, max_save_bytes=2**30)
+    slot = table.add(prompt_len=12, max_save_bytes=2**30, timeout_s=60.0, invoke=0, some_steps=False)
     table.next_position[[slot]]                # columns are indexed by slot arrays
     table.remove(slot)                         # the number is reused by a later invoke
 """
@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 _COLUMNS = {"prompt_len": np.int64, "next_position": np.int64, "replay_until": np.int64,
-            "save_used": np.int64, "save_limit": np.int64}
+            "save_used": np.int64, "save_limit": np.int64, "time_left": np.float64, "invoke": np.int64,
+            "group": np.int64, "some_steps": np.bool_}
 
 
 class SlotTable:
@@ -25,11 +26,11 @@ class SlotTable:
     def __init__(self, capacity: int = 256):
         self._free: list[int] = []
         self._next = 0
-        self.prompt_len = self.next_position = self.replay_until = np.empty(0, np.int64)
-        self.save_used = self.save_limit = np.empty(0, np.int64)
+        for name, dtype in _COLUMNS.items():
+            setattr(self, name, np.empty(0, dtype))
         self._grow(capacity)
 
-    def add(self, prompt_len: int, max_save_bytes: int) -> int:
+    def add(self, prompt_len: int, max_save_bytes: int, timeout_s: float, invoke: int, some_steps: bool) -> int:
         if self._free:
             slot = self._free.pop()
         else:
@@ -41,6 +42,10 @@ class SlotTable:
         self.replay_until[slot] = 0  # rows before this position are recomputed ones (after a preemption)
         self.save_used[slot] = 0
         self.save_limit[slot] = max_save_bytes
+        self.time_left[slot] = timeout_s  # of the per-trace time limit, for its program's calls
+        self.invoke[slot] = invoke  # its index in its trace
+        self.group[slot] = -1  # the number of its program's group (see Interleaver.admit); -1: none
+        self.some_steps[slot] = some_steps  # its program runs at some steps only
         return slot
 
     def remove(self, slot: int) -> None:
