@@ -83,11 +83,12 @@ _POOL = _ThreadPool()
 class ProgramCall:
     """One program run over one step; the engine drives it with :meth:`start` and :meth:`resume`."""
 
-    def __init__(self, program: Callable, view, budget_s: float, replay: list | None = None,
+    def __init__(self, program: Callable, view, budget_s: float, limit_s: float, replay: list | None = None,
                  keep_log: bool = False):
         self.program = program
         self.view = view
         self.budget_s = budget_s  # program running time left to the trace
+        self.limit_s = limit_s  # the trace's whole time limit (for the message)
         # Pipeline parallelism (see pipeline.py): the values earlier stages' accesses returned, and
         # whether to log this stage's for the next one.
         self.replay = replay or []
@@ -146,9 +147,8 @@ class ProgramCall:
         if ok:
             return
         self._interrupt()
-        budget = self.view.timeout_s
         self.error = self.error or error_record(
-            TimeoutError(f"the program ran past the trace's time limit of {budget:g}s and was stopped"),
+            TimeoutError(f"the program ran past the trace's time limit of {self.limit_s:g}s and was stopped"),
             where=str(self.waiting_for) if isinstance(self.waiting_for, Point) else "program",
         )
         self.waiting_for = FINISHED

@@ -56,6 +56,7 @@ class InvokeState:
     ops: list[dict]
     steps: frozenset[int] | None  # program steps; None = every step
     sink: str
+    timeout_s: float  # the trace's time limit for programs (the time left is a slot column)
     max_save_bytes: int
     saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
@@ -203,6 +204,7 @@ class Interleaver:
             ops=payload.get("ops", []),
             steps=frozenset(steps) if steps is not None else None,
             sink=payload["sink"],
+            timeout_s=payload["timeout_s"],
             max_save_bytes=payload["max_save_bytes"],
         )
         self.invokes[req_id] = state
@@ -302,7 +304,7 @@ class Interleaver:
                               timeout_s=float(self.slots.time_left[members.slots[0]]))
             view = ProgramView(ctx)
             call = ProgramCall(members.states[0].program, view, budget_s=ctx.timeout_s,
-                               replay=carried.values if carried is not None else None,
+                               limit_s=members.states[0].timeout_s, replay=carried.values if carried is not None else None,
                                keep_log=not self.stages.last)
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
