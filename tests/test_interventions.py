@@ -294,3 +294,19 @@ def test_hooks_are_removed_after_traces(llama, oracles):
     ids = oracles["tiny-llama"].ids(PROMPT)
     llama.generate(ids, program=lambda m: m.save("x", m.layers[1].mlp.output), ops=[ops.zero("layers.2.resid")])
     assert llama.engine.collective_rpc("interlace_installed_hooks") == [[]] * llama.config.world_size
+
+
+def test_saves_past_the_reservation_threshold_come_back_exact(llama, oracles):
+    """A trace saving more than RESERVE_MIN (16 MiB) has its report data file reserved ahead by
+    the reporter thread while it runs; every step's rows still land where they belong."""
+    rows = 40_000  # x 128 float32 = 20 MiB a step
+
+    def big(m):
+        m.save("big", torch.arange(rows * 128, dtype=torch.float32).reshape(rows, 128) + m.step)
+
+    out = llama.generate(PROMPT, program=big, max_tokens=3, ignore_eos=True)
+    got = out.saves["big"]
+    assert got.shape == (3 * rows, 128)
+    base = torch.arange(rows * 128, dtype=torch.float32).reshape(rows, 128)
+    for step in range(3):
+        assert torch.equal(got[step * rows : (step + 1) * rows], base + step), step
