@@ -26,15 +26,12 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 TOTALS: dict[str, float] = collections.defaultdict(float)
 COUNTS: dict[str, int] = collections.defaultdict(int)
 SYNCS: collections.Counter = collections.Counter()
-LAST_STEP_END = [None]  # when the interleaver last ended a step (the trace's last forward pass)
 
 
 def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
     import torch
 
-    original = getattr(owner, name, None)
-    if original is None:  # not in this version of interlace (the probe also times older checkouts)
-        return
+    original = getattr(owner, name)
     cuda = torch.cuda.is_available()
 
     @functools.wraps(original)
@@ -139,24 +136,17 @@ def install_probes() -> None:
     timed(interleaver.Interleaver, "_program_groups", "  begin_step: program groups")
     timed(ops.OpPlan, "for_step", "  begin_step: op plans")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
-    end_step = interleaver.Interleaver.end_step
-
-    def end_step_(self):
-        try:
-            return end_step(self)
-        finally:
-            LAST_STEP_END[0] = time.perf_counter()
-
-    interleaver.Interleaver.end_step = end_step_
     timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
     timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
     probe_handoffs()
     timed(saves, "host_copy", "saves.host_copy")
-    timed(saves.SavedRows, "take_in", "reports: rows taken in (reporter, during)", debug_sync=False)
-    timed(saves.SaveChunk, "wait", "  taken in: waiting for the GPU's copies", debug_sync=False)
-    timed(saves._Runs, "_move", "  taken in: moves to larger runs", debug_sync=False)
-    timed(saves.SavedRows, "take", "reports: take views (reporter, at the end)", debug_sync=False)
-    timed(report_file.ReportFileWriter, "finish", "reports: header (reporter, at the end)", debug_sync=False)
+    timed(saves.SaveLedger, "take", "reports: ledger.take")
+    timed(saves.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
+    timed(report_file.ReportFileWriter, "allocate", "  gather: region of the data file", debug_sync=False)
+    timed(saves, "_plan", "  gather: plan", debug_sync=False)
+    timed(saves, "_copy", "  gather: copies", debug_sync=False)
+    timed(report_file.ReportFileWriter, "finish", "reports: header (reporter)", debug_sync=False)
+    timed(report_file.DataFile, "reserve", "reports: reserving the data file (reporter, ahead)", debug_sync=False)
     timed(driver_model, "read_new_reports", "driver: read reports", debug_sync=False)
 
 
@@ -168,6 +158,8 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no-baseline", action="store_true", help="skip the 'none' case (e.g. under a profiler)")
+    parser.add_argument("--reserve-ab", action="store_true",
+                        help="run each case also without reserving report data files ahead (an A/B in one process)")
     args = parser.parse_args()
 
     import interlace
@@ -181,18 +173,18 @@ def main() -> None:
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
     install_probes()
+    from interlace.workers import interleaver
 
+    variants = [("", interleaver.RESERVE_MIN)] + ([(" (no reserving ahead)", 1 << 62)] if args.reserve_ab else [])
     for name in ([] if args.no_baseline else ["none"]) + args.cases.split(","):
-        for warm in (True, False):
+        for (variant, reserve_min), warm in [(v, w) for w in (True, False) for v in variants]:
+            interleaver.RESERVE_MIN = reserve_min
             TOTALS.clear(), COUNTS.clear(), SYNCS.clear()
-            LAST_STEP_END[0] = None
             seconds, tokens, saved = run_interlace(model, data, args.out, cases[name])
-            tail = f"{time.perf_counter() - LAST_STEP_END[0]:.3f} s" if LAST_STEP_END[0] else "-"
             if warm:
                 continue
             steps = max(1, COUNTS["runner.execute_model"])
-            print(f"\n{name}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved, "
-                  f"{tail} from the last step to the results")
+            print(f"\n{name}{variant}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved")
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
             for where, count in SYNCS.most_common(10):

@@ -31,8 +31,7 @@ from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, device_index, short_name
 from interlace.workers.reporter import Reporter
-from interlace.workers.pinned import PinnedSlabs
-from interlace.workers.saves import HostRows, SaveChunk, host_copy
+from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, host_copy
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.slots import SlotTable
@@ -40,6 +39,7 @@ from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
 MAILBOX = "@mailbox"  # pseudo-module of the points receivers wait at: Point(MAILBOX, name)
+RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see _reserve_ahead)
 
 
 @dataclass
@@ -58,7 +58,7 @@ class InvokeState:
     sink: str
     timeout_s: float  # the trace's time limit for programs (the time left is a slot column)
     max_save_bytes: int
-    saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (rows go to the sink)
+    saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
     error: dict | None = None
 
@@ -173,12 +173,11 @@ class Interleaver:
         self.carry_in: dict[str, Carried] = {}  # from the previous pipeline stage, this step
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
         self.op_plans: dict[tuple[str, str], OpPlan] = {}  # (trace, op key) -> the op and its invokes
-        self.pinned = PinnedSlabs()  # host copies of saved rows, until the reporter has taken them in
-        self._chunks: list[tuple[str, SaveChunk]] = []  # (sink, saved rows) of this step
-        self._landing: list[tuple[str, SaveChunk]] = []  # ... of the step before, sent at the end of this one
+        self.ledger = SaveLedger()
         self.reporter = Reporter()
         self.slots = SlotTable()
         self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
+        self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._group_numbers: dict[str, int] = {}  # live program group key -> its number in slots.group
         self._group_counter = itertools.count()
@@ -190,13 +189,13 @@ class Interleaver:
 
     # --- per request --------------------------------------------------------------------------
 
-    def admit(self, req_id: str, prompt_len: int, max_tokens: int, payload_bytes: bytes) -> None:
+    def admit(self, req_id: str, prompt_len: int, payload_bytes: bytes) -> None:
         payload = cloudpickle.loads(payload_bytes)
         steps = payload.get("steps")
         state = InvokeState(
             req_id=req_id,
-            slot=self.slots.add(prompt_len, max_tokens, payload["max_save_bytes"], payload["timeout_s"],
-                                payload["invoke"], some_steps=steps is not None),
+            slot=self.slots.add(prompt_len, payload["max_save_bytes"], payload["timeout_s"], payload["invoke"],
+                                some_steps=steps is not None),
             trace=payload["trace"],
             invoke=payload["invoke"],
             prompt_len=prompt_len,
@@ -243,7 +242,7 @@ class Interleaver:
                     del self.op_plans[key]
         if finished and self.rank["tp_rank"] == 0:  # one report per TP group; every PP stage reports
             self._report(finished)
-        for state in finished:  # reusable: the reporter takes a slot's rows before any later owner's
+        for state in finished:  # after the report: the ledger has let go of the slot's rows
             self.slots.remove(state.slot)
         if finished and self._group_numbers:
             live = {state.group_key for state in self.invokes.values()}
@@ -253,25 +252,30 @@ class Interleaver:
 
     def _report(self, finished: list[InvokeState]) -> None:
         """Hand the finished invokes' reports to the reporter thread, one batch per (sink, trace)."""
-        self._send_chunks(self._landing + self._chunks)
-        self._landing, self._chunks = [], []
         batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
         for state in finished:
             batches[(state.sink, state.trace)].append(state)
         live = {(state.sink, state.trace) for state in self.invokes.values()}
         stage = self.rank["pp_rank"]
         for (sink, trace), states in batches.items():
+            taken = self.ledger.take(trace, [state.slot for state in states])
             reports = [_report_of(state, stage) for state in states]
-            owners = [state.slot for state in states]
             objects = [state.saves for state in states]
             last = (sink, trace) not in live  # this rank's last batch of the trace
-            self.reporter.submit(functools.partial(_write_reports, sink, trace, stage, reports, owners, objects, last))
+            if last:
+                self._reserving.pop((sink, trace), None)
+            self.reporter.submit(functools.partial(_write_reports, sink, trace, stage, reports, taken, objects, last))
 
-    def _send_chunks(self, chunks: list[tuple[str, SaveChunk]]) -> None:
-        """Send saved rows to the reporter thread, which lays them out in their traces' data files
-        while the engine goes on (see saves.py)."""
-        if chunks:
-            self.reporter.submit(functools.partial(_take_in, chunks, self.rank["pp_rank"], self.pinned))
+    def _reserve_ahead(self, state: InvokeState, nbytes: int) -> None:
+        """Keep the trace's report data file reserved ahead of its saves (see report_file.py): a
+        job for the reporter thread each time the saves grow by a quarter, from RESERVE_MIN on."""
+        key = (state.sink, state.trace)
+        saved, reserved = self._reserving.get(key, (0, 0))
+        saved += nbytes
+        if saved >= max(reserved, RESERVE_MIN):
+            reserved = saved + saved // 4
+            self.reporter.submit(functools.partial(_reserve, state.sink, state.trace, self.rank["pp_rank"], reserved))
+        self._reserving[key] = (saved, reserved)
 
     # --- per step ------------------------------------------------------------------------------
 
@@ -390,10 +394,6 @@ class Interleaver:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
             self._close_call(call, ctx)
         self.step = None
-        # A step's rows go one step later: by then their copies from the GPU have landed. A
-        # reporter waiting on the GPU spins in the CUDA driver beside the engine's launches.
-        self._send_chunks(self._landing)
-        self._landing, self._chunks = self._chunks, []
         return step.carry
 
     def _goes_on_later(self, call: ProgramCall) -> bool:
@@ -523,10 +523,8 @@ class Interleaver:
             )
         self.slots.save_used[slots] = used
         if self.rank["tp_rank"] == 0:
-            table = self.slots
-            steps_left = table.max_tokens[slots] - 1 - np.maximum(0, table.next_position[slots] - table.prompt_len[slots])
-            self._chunks.append((invokes[0].sink, SaveChunk.of(invokes[0].trace, name, value, slots, starts, stops,
-                                                               steps_left, self.pinned)))
+            self.ledger.add(invokes[0].trace, name, value, slots, starts, stops)
+            self._reserve_ahead(invokes[0], len(value) * row_bytes)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
@@ -619,39 +617,37 @@ def _report_of(state: InvokeState, stage: int) -> dict:
             "shared": state.shared, "error": state.error}
 
 
-def _take_in(chunks: list[tuple[str, SaveChunk]], stage: int, pinned: PinnedSlabs) -> None:
-    """On the reporter thread: lay out a step's saved rows in their traces' data files (a failure
-    is kept by the sink for those traces' reports), then let their pinned memory be reused."""
-    for sink, chunk in chunks:
-        try:
-            open_sink(sink).take_in(stage, chunk)
-        finally:
-            pinned.release(chunk.slab)
-
-
-def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], owners: list[int],
-                   objects: list[dict[str, list]], last: bool) -> None:
-    """On the reporter thread: write one batch of reports; after the trace's last batch on this
-    rank, close its data file."""
+def _reserve(sink: str, trace: str, stage: int, nbytes: int) -> None:
+    """On the reporter thread, while the trace runs: its report data file ``nbytes`` long."""
     try:
-        _write_batch(sink, trace, stage, reports, owners, objects)
+        open_sink(sink).reserve(trace, stage, nbytes)
+    except OSError:  # e.g. no room now: the report tries again, and fails with the reason if it must
+        pass
+
+
+def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
+                   objects: list[dict[str, list]], last: bool) -> None:
+    """On the reporter thread: write one batch of reports, then let the saves' host memory be
+    reused (the reports hold copies of it); after the trace's last batch, close its data file."""
+    try:
+        _write_batch(sink, trace, stage, reports, taken, objects)
     finally:
+        taken.release()
         if last:
             open_sink(sink).close(trace, stage)
 
 
-def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], owners: list[int],
+def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
                  objects: list[dict[str, list]]) -> None:
-    """Write the reports as one batch file, their saved rows as views of the trace's data file.
-    If the batch cannot be written (e.g. an unpicklable save), each report is written alone, and
-    those that still fail carry the error instead of their saves."""
+    """Assemble the saves into one batch file. If the batch cannot be written (e.g. an
+    unpicklable save), each report is written alone, and those that still fail carry the error
+    instead of their saves."""
     try:
         for report in reports:
             report["shared"] = [(name, how, v.get() if isinstance(v, HostRows) else v)
                                 for name, how, v in report["shared"]]
-        saves = open_sink(sink).take(trace, stage, owners)
-        with open_sink(sink).batch(trace, stage) as batch:
-            for report, rows, values in zip(reports, saves, objects):
+        with open_sink(sink).batch(trace, stage) as batch:  # rows are gathered straight into the file
+            for report, rows, values in zip(reports, taken.assemble(batch.allocate), objects):
                 report["saves"] = _with_objects(rows, values)
             batch.finish(reports)
         return

@@ -1,69 +1,89 @@
 """Report files: a rank's saved rows for a trace, and its reports in batches, mapped by the driver.
 
-    <trace>/<stage>-<pid>-<n>.data     the saved rows of every invoke this rank reports for the
-                                       trace, laid out in runs while the trace runs (saves.py)
-    <trace>/<stage>-<invoke>.reports   one batch: [prefix: data file, its length][header: pickled reports]
+    <trace>/<stage>-<pid>-<n>.data     the saved rows of every batch this rank reports for the
+                                       trace, appended region by region (each tensor 64-byte
+                                       aligned, each region page aligned)
+    <trace>/<stage>-<invoke>.reports   one batch: [prefix: data file, region][header: pickled reports]
 
-The data file is sparse and mapped once: blocks of runs are regions appended to it, and room in
-them that no row was written to is never backed by memory. The header holds everything else (the
-report dicts, values that are not rows, shared contributions, errors), pickled with each tensor
-that views the data file replaced by a reference to it (offset, dtype, shape, strides); any other
-tensor is pickled whole. The driver maps the file copy-on-write and rebuilds those tensors as
-views of it: nothing is copied on read, and a user editing a result does not change the file.
+Gathering a sweep's saves into memory that nobody has touched yet is mostly the kernel finding and
+mapping pages (of 0.33 s for 512 MiB on an H200 host, most was that, not copying). So the data
+file is reserved ahead: while the trace runs, the reporter thread (idle then) allocates and maps
+pages as the saves grow (:meth:`DataFile.reserve`), and gathering a batch into its region is a
+plain copy. The header holds everything else (the report dicts, values that are not rows, shared
+contributions, errors), pickled with each tensor of the batch's region replaced by a reference to
+it (offset, dtype, shape, strides); any other tensor is pickled whole. The driver maps the region
+copy-on-write and rebuilds those tensors as views of it: nothing is copied on read, and a user
+editing a result does not change the file.
 
-    data = DataFile(folder / "0-123-0.data")
-    rows = data.region(nbytes)            (reporter thread, as saves arrive; write rows into it)
-    writer = ReportFileWriter(fd, data); writer.finish(reports)     (reports hold views of rows)
-    data.close()                                                    (after the trace's last batch)
+    data = DataFile(folder / "0-123-0.data"); data.reserve(512 << 20)   (ahead, reporter thread)
+    writer = ReportFileWriter(fd, data)
+    l3, l4 = writer.allocate([((n, 2048), torch.bfloat16), ((n, 2048), torch.bfloat16)])
+    ...gather rows into l3 and l4; put views of them in the reports...
+    writer.finish(reports)
+    data.close()                                                       (the trace's last batch)
     read_report_file(path)  ->  the reports; their rows are views of one copy-on-write mapping
 """
 
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import pickle
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-_PAGE = mmap.ALLOCATIONGRANULARITY  # regions start on a page
-_VIRTUAL_BYTES = 1 << 38  # a data file's address space (sparse: no memory until written)
-_PREFIX = struct.Struct("<8sQQH")  # magic, mapped start, mapped length, data file name length
+_ALIGN = 64  # every tensor starts on a cache line, and at a multiple of any element size
+_PAGE = mmap.ALLOCATIONGRANULARITY  # regions start on a page: the driver maps each one alone
+_VIRTUAL_BYTES = 1 << 38  # a data file's address space (the file is sparse: no memory until reserved)
+_PREFIX = struct.Struct("<8sQQH")  # magic, region start, region length, data file name length
 _MAGIC = b"ilreport"
+
+TensorSpec = tuple[Sequence[int], torch.dtype]
 
 
 class DataFile:
-    """One trace's saved rows on one rank, in regions appended one after another. Used from one
-    thread.
+    """One trace's saved rows on one rank; batches append regions. Used from one thread.
 
-    The file is sparse at a large size and mapped once, so a new region never remaps, and pages
-    are backed by memory only once written. :meth:`close` truncates it to the regions handed out.
+    The file is sparse at a large size and mapped once, so reserving more never remaps and a
+    region is a slice of one mapping. :meth:`close` truncates it to what batches used.
     """
 
     def __init__(self, path: Path):
-        self.path = path  # created with the first region
+        self.path = path  # created at the first reservation
         self.bytes: torch.Tensor | None = None  # the whole file, as one tensor, once open
         self.used = 0  # bytes handed out to regions
+        self.reserved = 0  # bytes allocated and mapped
 
-    def region(self, nbytes: int) -> torch.Tensor:
-        """The next ``nbytes``, page aligned (so they suit any dtype)."""
+    def reserve(self, nbytes: int) -> None:
+        """Allocate and map the first ``nbytes`` now, so that writing them later faults nothing."""
+        nbytes = _round_up(nbytes, _PAGE)
+        if nbytes <= self.reserved:
+            return
         if self.bytes is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(self._fd, _VIRTUAL_BYTES)
             mapping = mmap.mmap(self._fd, _VIRTUAL_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+        # Allocated first: a full disk or /dev/shm fails here (ENOSPC, a failed report) rather than
+        # killing the worker with SIGBUS at a write to a page that cannot be had.
+        os.posix_fallocate(self._fd, self.reserved, nbytes - self.reserved)
+        self.bytes[self.reserved : nbytes : _PAGE].zero_()  # one write per page maps it
+        self.reserved = nbytes
+
+    def region(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The next ``nbytes`` (reserved now if they were not): their offset, and the bytes."""
         start = self.used
-        if start + nbytes > _VIRTUAL_BYTES:
-            raise MemoryError(f"a trace's saves on one rank are limited to {_VIRTUAL_BYTES >> 30} GiB")
+        self.reserve(start + nbytes)
         self.used = _round_up(start + nbytes, _PAGE)
-        return self.bytes[start : start + nbytes]
+        return start, self.bytes[start : start + nbytes]
 
     def close(self) -> None:
-        """No more batches: cut the file to the regions handed out. Tensors viewing the file keep
+        """No more batches: give back reserved pages no region used. Tensors viewing the file keep
         its mapping until they are dropped."""
         if self.bytes is not None:
             os.ftruncate(self._fd, self.used)
@@ -73,28 +93,43 @@ class DataFile:
 
 class ReportFileWriter:
     """Writes one batch's header file into ``fd`` (an empty file the caller created, names and
-    closes); tensors in the reports that view ``data`` are stored by reference."""
+    closes); its saved rows go to a region of ``data``."""
 
     def __init__(self, fd: int, data: DataFile | None):
         self._fd = fd
         self._data = data
+        self._region: tuple[int, int] = (0, 0)  # start and length in the data file; none yet
         self.reports: list[dict] | None = None  # set by finish()
 
+    def allocate(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
+        """Uninitialised tensors in one region of the data file, one per ``(shape, dtype)``; call at
+        most once, before :meth:`finish`. Tensors saved in the reports that are views of these are
+        stored by reference."""
+        if self._region[1] or self.reports is not None:
+            raise RuntimeError("a report batch's region is allocated once, before finish()")
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            offsets.append(end)
+            end += _round_up(math.prod(shape) * dtype.itemsize, _ALIGN)
+        if end == 0 or self._data is None:
+            return [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
+        start, region = self._data.region(end)
+        self._region = (start, end)
+        return [region[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
+                for offset, (shape, dtype) in zip(offsets, specs)]
+
     def finish(self, reports: list[dict]) -> None:
-        """Write the prefix (the data file and how much of it to map) and ``reports`` pickled as
-        the header."""
-        data = self._data.bytes if self._data is not None else None
-        length = self._data.used if data is not None else 0
-        name = self._data.path.name.encode() if length else b""
+        """Write the prefix (where the region is) and ``reports`` pickled as the header."""
+        name = self._data.path.name.encode() if self._region[1] else b""
         with io.BufferedWriter(io.FileIO(self._fd, "wb", closefd=False), buffer_size=1 << 20) as out:
-            out.write(_PREFIX.pack(_MAGIC, 0, length, len(name)) + name)
-            _HeaderPickler(out, data if length else None, length).dump(reports)
+            out.write(_PREFIX.pack(_MAGIC, *self._region, len(name)) + name)
+            _HeaderPickler(out, self._data.bytes if self._region[1] else None, *self._region).dump(reports)
         self.reports = reports
 
 
 def read_report_file(path: Path) -> list[dict]:
-    """The reports of a complete batch file; its saved rows are views of one private
-    (copy-on-write) mapping of the data file, which stays valid after the files are removed."""
+    """The reports of a complete batch file; tensors of its region are views of one private
+    (copy-on-write) mapping of it, which stays valid after the files are removed."""
     with open(path, "rb") as f:
         magic, start, length, name_len = _PREFIX.unpack(f.read(_PREFIX.size))
         if magic != _MAGIC:
@@ -113,23 +148,22 @@ def _map_private(path: Path, start: int, length: int) -> torch.Tensor:
 
 
 class _HeaderPickler(pickle.Pickler):
-    """Tensors viewing the first ``length`` bytes of the data file become references; any other
-    tensor is pickled whole, and only its own bytes (a view of a large tensor would otherwise carry
-    all of it)."""
+    """Tensors inside the batch's region become references; any other tensor is pickled whole,
+    and only its own bytes (a view of a large tensor would otherwise carry all of it)."""
 
-    def __init__(self, file, data: torch.Tensor | None, length: int):
+    def __init__(self, file, data: torch.Tensor | None, start: int, length: int):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._data_ptr = data.data_ptr() if data is not None else None
-        self._length = length
+        self._start, self._stop = start, start + length
 
     def persistent_id(self, obj: Any) -> tuple | None:
         if (type(obj) is not torch.Tensor or self._data_ptr is None or obj.device.type != "cpu"
                 or obj.layout is not torch.strided or obj.untyped_storage().data_ptr() != self._data_ptr):
             return None
         offset = obj.storage_offset() * obj.element_size()
-        if offset + obj.nbytes > self._length:
+        if not self._start <= offset < self._stop:
             return None
-        return ("data", _dtype_name(obj.dtype), offset, tuple(obj.shape), obj.stride())
+        return ("data", _dtype_name(obj.dtype), offset - self._start, tuple(obj.shape), obj.stride())
 
     def reducer_override(self, obj: Any) -> Any:
         if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout is torch.strided

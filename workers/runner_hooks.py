@@ -72,8 +72,7 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         for new in scheduler_output.scheduled_new_reqs:
             payload = _payload(new)
             if payload is not None:
-                _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()),
-                       new.sampling_params.max_tokens or 0, payload)
+                _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload)
         state["in_step"] = inter.active
         if intermediate_tensors is not None and inter.active:  # an earlier stage's carry
             inter.carry_in = _guard(inter, lambda: unpack(take_carry(intermediate_tensors.tensors))) or {}

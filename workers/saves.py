@@ -1,27 +1,22 @@
-"""Saved rows on their way from a worker rank to an invoke's report.
+"""Saved values on their way from a worker rank to an invoke's report.
 
-Engine thread. A save of rows (a tensor whose dim 0 runs over a group's tokens or invokes) is
-recorded once for its whole group: one :class:`SaveChunk` per save call, holding a host copy of the
-rows and, as arrays, which invoke (slot) owns which of them. On a GPU the copy is made at save
-time, asynchronously on the engine's stream into pinned host memory, so no step waits for it.
+A save of rows (a tensor whose dim 0 runs over a group's tokens or invokes) is recorded once for
+its whole group: one :class:`SaveChunk` per save call, holding a host copy of the rows and, as
+arrays, which invoke owns which of them. On a GPU the copy is made at save time, asynchronously on
+the engine's stream into pinned host memory, so no step waits for it and an invoke's bytes are on
+the host before it is reported. Reporting is then a host gather per name: for a sweep of 256
+invokes x 128 steps x 4 names, four concatenations and four row selections, not 131,072 slices.
 
-Reporter thread, while the trace runs. :class:`SavedRows` takes in each chunk as it lands: every
-invoke's rows under a name are one run of rows in the trace's report data file, appended to step
-after step, so the report at the end copies nothing (each save is a view of its run), and pinned
-memory holds only the rows still in flight. A run has room for what its invoke will still save:
-its first save gets exactly its rows (a prompt's residual saved once wastes nothing); a second
-save moves the run (once) to room for one more save of that size per step the invoke has left,
-so a residual saved at every step is moved once, after its first step. Room never written is
-never backed by memory (the data file is sparse).
-
-    chunk = SaveChunk.of("t", "l3", rows, owners=slots, starts=starts, stops=stops, steps_left=left)
-    saved = SavedRows(); saved.take_in(chunk)                  (reporter thread, as chunks land)
-    saved.take([slot, ...])  ->  [{"l3": tensor}, ...]         (forgets them: slots are reused)
+    ledger.add(trace, "l3", rows, owners=slots, starts=starts, stops=stops)     (numpy arrays)
+    ledger.take(trace, [slot, ...]).assemble()  ->  [{"l3": tensor}, ...]   (take forgets them)
+    ...assemble(batch.allocate)                  the same, gathered straight into a report file
 """
 
 from __future__ import annotations
 
-import math
+from collections import defaultdict
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,33 +24,21 @@ import numpy as np
 import torch
 
 from interlace.workers.pinned import PinnedSlabs, Slab
-from interlace.workers.points import expand_ranges
 
 
 @dataclass
 class SaveChunk:
     """One save call's rows, for every invoke of its group."""
 
-    trace: str
     name: str
     rows: torch.Tensor  # host copy (pinned and possibly still in flight when it came from a GPU)
     ready: torch.cuda.Event | None  # recorded after the copy; None for host values
-    owners: np.ndarray  # invoke slot of each range (distinct)
+    owners: np.ndarray  # invoke slot of each range
     starts: np.ndarray  # each owner's rows of ``rows``: starts[i]:stops[i]
     stops: np.ndarray
-    steps_left: np.ndarray  # each owner's generation steps after this one (sizes its run)
-    slab: Slab | None = None  # where ``rows`` live (pinned slabs): released once taken in
-
-    def wait(self) -> None:
-        """Until the rows have landed on the host."""
-        if self.ready is not None:
-            self.ready.synchronize()
-
-    @classmethod
-    def of(cls, trace: str, name: str, value: torch.Tensor, owners: np.ndarray, starts: np.ndarray,
-           stops: np.ndarray, steps_left: np.ndarray, pinned: PinnedSlabs | None = None) -> "SaveChunk":
-        rows, ready, slab = host_copy(value, pinned)
-        return cls(trace, name, rows, ready, owners, starts, stops, steps_left, slab)
+    pending: int  # owners not yet reported
+    slab: Slab | None = None  # where ``rows`` live (pinned slabs): released when no report needs them
+    taken: np.ndarray | None = None  # which owners' rows were handed out (their slot may be reused)
 
 
 def host_copy(value: torch.Tensor, pinned: PinnedSlabs | None = None
@@ -97,139 +80,148 @@ class HostRows:
         return self.rows[self.start : self.stop].clone()  # own storage: a view would pickle it all
 
 
-Allocate = Callable[[int], torch.Tensor]  # nbytes -> uninitialised bytes (a region of a data file)
+class SaveLedger:
+    """Every tensor of rows saved on this rank, by trace, until its invokes are reported."""
+
+    def __init__(self):
+        self._chunks: dict[str, list[SaveChunk]] = defaultdict(list)
+        self._pinned = PinnedSlabs()
+
+    def add(self, trace: str, name: str, value: torch.Tensor, owners: np.ndarray, starts: np.ndarray,
+            stops: np.ndarray) -> None:
+        """Rows of ``value`` for a group: owner ``owners[i]`` (a slot) has rows ``starts[i]:stops[i]``."""
+        rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
+        self._chunks[trace].append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab))
+
+    def take(self, trace: str, owners: list[int]) -> "TakenSaves":
+        """The owners' saves, to assemble later (on any thread). Chunks every owner of which has
+        now been taken are dropped from the ledger."""
+        wanted = np.array(owners, dtype=np.int64)
+        by_name: dict[str, list[tuple[SaveChunk, np.ndarray]]] = defaultdict(list)
+        kept = []
+        for chunk in self._chunks.pop(trace, ()):
+            mine = np.isin(chunk.owners, wanted)
+            if chunk.taken is not None:
+                mine &= ~chunk.taken
+            if mine.any():
+                by_name[chunk.name].append((chunk, mine))
+                self._pinned.retain(chunk.slab)  # the report's hold, released once it is written
+                chunk.pending -= int(mine.sum())
+                chunk.taken = mine if chunk.taken is None else chunk.taken | mine
+            if chunk.pending > 0:
+                kept.append(chunk)
+            else:
+                self._pinned.release(chunk.slab)  # the ledger's hold
+        if kept:
+            self._chunks[trace] = kept
+        return TakenSaves(dict(by_name), wanted, self._pinned)
 
 
-def fresh_bytes(nbytes: int) -> torch.Tensor:
-    """The default :data:`Allocate`: ordinary host memory."""
-    return torch.empty(nbytes, dtype=torch.uint8)
+Allocate = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
 
 
-class SavedRows:
-    """One trace's saved rows on one rank, each invoke's rows per name in one run (see the module
-    docstring). Used from one thread."""
+def host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """The default :data:`Allocate`: fresh host tensors."""
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
 
-    def __init__(self, allocate: Allocate = fresh_bytes):
-        self._allocate = allocate
-        self._runs: dict[str, list[_Runs]] = {}  # name -> its rows by row shape and dtype, in order first saved
 
-    def take_in(self, chunk: SaveChunk) -> None:
-        """Append the chunk's rows to their owners' runs (waiting for the copy to land)."""
-        chunk.wait()
-        shape, dtype = tuple(chunk.rows.shape[1:]), chunk.rows.dtype
-        by_shape = self._runs.setdefault(chunk.name, [])
-        runs = next((r for r in by_shape if (r.row_shape, r.dtype) == (shape, dtype)), None)
-        if runs is None:
-            runs = _Runs(shape, dtype, self._allocate)
-            by_shape.append(runs)
-        runs.append(chunk)
+@dataclass
+class TakenSaves:
+    """Saves handed out by :meth:`SaveLedger.take`."""
 
-    def take(self, owners: list[int]) -> list[dict[str, Any]]:
-        """Each owner's saves by name (its rows in save order; a list, one tensor per row shape,
-        when a name was saved with rows of several shapes); the owners are forgotten."""
-        results: list[dict[str, Any]] = [{} for _ in owners]
-        for name, by_shape in self._runs.items():
-            for result, owner in zip(results, owners):
-                values = [v for v in (runs.pop(owner) for runs in by_shape) if v is not None]
-                if values:
-                    result[name] = values[0] if len(values) == 1 else values
+    parts: dict[str, list[tuple[SaveChunk, np.ndarray]]]  # by name: chunks and which entries are wanted
+    wanted: np.ndarray  # the owners, in the order results come back
+    pinned: PinnedSlabs | None = None
+
+    def release(self) -> None:
+        """Once assembled (results no longer point into the chunks): let their memory be reused."""
+        if self.pinned is not None:
+            for parts in self.parts.values():
+                for chunk, _ in parts:
+                    self.pinned.release(chunk.slab)
+
+    def assemble(self, allocate: Allocate = host_tensors) -> list[dict[str, Any]]:
+        """Each owner's saves by name: rows of all its chunks, in save order, concatenated along
+        dim 0 (a residual saved every step is the whole sequence's).
+
+        Each name's rows are gathered into one tensor that ``allocate`` gives for its shape and
+        dtype (all at once, sizes known before any byte moves: a report file's data region, so
+        that gathering is writing); each owner's result is a view of it.
+        """
+        plans = {name: _plan(parts, self.wanted) for name, parts in self.parts.items()}
+        gathers = {name: plan for name, plan in plans.items() if isinstance(plan, _Gather)}
+        into = dict(zip(gathers, allocate([(g.shape, g.dtype) for g in gathers.values()])))
+        _copy([(copy, into[name]) for name, plan in gathers.items() for copy in plan.copies])
+        results: list[dict[str, Any]] = [{} for _ in self.wanted]
+        for name, plan in plans.items():
+            for i, value in (plan.views(into[name]) if name in into else plan).items():
+                results[i][name] = value
         return results
 
 
-class _Runs:
-    """Rows of one shape and dtype under one name: each owner's rows are ``used`` rows from
-    ``first`` in one of ``blocks`` (each ``[rows, *row_shape]``), with ``room`` rows there."""
+@dataclass
+class _Copy:
+    """Rows of one chunk into their places in a name's gathered tensor."""
 
-    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, allocate: Allocate):
-        self.row_shape, self.dtype, self._allocate = row_shape, dtype, allocate
-        self.row_bytes = math.prod(row_shape) * dtype.itemsize
-        self.blocks: list[torch.Tensor] = []
-        # by owner slot (grown as slots appear); block -1: no rows yet
-        self.block = np.full(0, -1, np.int64)
-        self.first = np.zeros(0, np.int64)
-        self.room = np.zeros(0, np.int64)
-        self.used = np.zeros(0, np.int64)
-
-    def append(self, chunk: SaveChunk) -> None:
-        # Runs on the reporter thread beside the engine's: few numpy and torch calls per chunk,
-        # since each hands the GIL back and forth with the engine thread.
-        owners, starts = chunk.owners, chunk.starts
-        lengths = chunk.stops - starts
-        if len(owners) and int(owners.max()) >= len(self.block):
-            self._grow(int(owners.max()) + 1)
-        block, used = self.block[owners], self.used[owners]
-        short = (block < 0) | (used + lengths > self.room[owners])
-        if short.any():
-            self._move(owners[short], lengths[short], chunk.steps_left[short])
-            block = self.block[owners]
-        at = self.first[owners] + used
-        self.used[owners] = used + lengths
-        if not (lengths == 1).all():
-            starts, at, block = expand_ranges(starts, lengths), expand_ranges(at, lengths), np.repeat(block, lengths)
-        if len(block) and block.min() == block.max():  # usually: a sweep's runs share one block
-            _copy_rows(chunk.rows, starts, self.blocks[int(block[0])], at)
-            return
-        for b in np.unique(block).tolist():
-            mine = block == b
-            _copy_rows(chunk.rows, starts[mine], self.blocks[b], at[mine])
-
-    def pop(self, owner: int) -> torch.Tensor | None:
-        if owner >= len(self.block) or self.block[owner] < 0:
-            return None
-        first, used = int(self.first[owner]), int(self.used[owner])
-        value = self.blocks[int(self.block[owner])][first : first + used]
-        self.block[owner], self.used[owner], self.room[owner] = -1, 0, 0
-        return value
-
-    def _move(self, owners: np.ndarray, lengths: np.ndarray, steps_left: np.ndarray) -> None:
-        """Give ``owners`` runs with room for ``lengths`` more rows (and, for those that already
-        have rows, that many per step left), in one new block, moving their rows there."""
-        used, had = self.used[owners], self.block[owners] >= 0
-        room = np.where(had, np.maximum(used + lengths * (1 + np.maximum(steps_left, 0)), 2 * (used + lengths)),
-                        lengths)
-        block = len(self.blocks)
-        rows = int(room.sum())
-        self.blocks.append(self._allocate(max(1, rows * self.row_bytes))[: rows * self.row_bytes]
-                           .view(self.dtype).view(rows, *self.row_shape))
-        first = np.cumsum(room) - room
-        for old in np.unique(self.block[owners][had]).tolist():  # usually one block: a sweep moves together
-            moving = had & (self.block[owners] == old)
-            _copy_rows(self.blocks[old], expand_ranges(self.first[owners][moving], used[moving]),
-                       self.blocks[block], expand_ranges(first[moving], used[moving]))
-        self.block[owners], self.first[owners], self.room[owners] = block, first, room
-
-    def _grow(self, size: int) -> None:
-        if size > len(self.block):
-            grown = max(size, 2 * len(self.block))
-            pad = grown - len(self.block)
-            self.block = np.concatenate([self.block, np.full(pad, -1, np.int64)])
-            self.first, self.room, self.used = (np.concatenate([a, np.zeros(pad, np.int64)])
-                                                for a in (self.first, self.room, self.used))
+    rows: torch.Tensor  # the chunk's rows
+    source: torch.Tensor | None  # which of them, in destination order (None: all, in order)
+    dest: slice | torch.Tensor  # where they go
+    nbytes: int  # bytes copied
 
 
-def _copy_rows(source: torch.Tensor, rows: np.ndarray, dest: torch.Tensor, at: np.ndarray) -> None:
-    """``dest[at] = source[rows]``, as one slice copy when both are runs."""
-    if not len(rows):
+@dataclass
+class _Gather:
+    """One name's rows, planned: the tensor they are gathered into, and which rows go where."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    copies: list[_Copy]  # one per chunk
+    owners: list[int]  # index into ``wanted`` of each owner with rows, in destination order
+    counts: list[int]  # each such owner's number of rows
+
+    def views(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each owner's rows of ``out``, once the copies have filled it."""
+        return dict(zip(self.owners, out.split(self.counts)))
+
+
+_COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))  # of the cores this process may use
+_PARALLEL_BYTES = 16 << 20  # below this, one thread: handing work over would cost more
+_copy_pool: ThreadPoolExecutor | None = None
+
+
+def _copy(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
+    """Each chunk's rows into their places in its name's tensor. A large report is shared among a
+    few threads, in runs of about equal bytes (torch's copies release the GIL, and vLLM runs torch
+    with one thread per worker, so they would otherwise use one core)."""
+    global _copy_pool
+    ends = np.cumsum([copy.nbytes for copy, _ in copies], dtype=np.int64)
+    total = int(ends[-1]) if len(ends) else 0
+    if total < _PARALLEL_BYTES or _COPY_THREADS == 1:
+        _copy_run(copies)
         return
-    source_run, dest_run = _run(rows), _run(at)
-    if source_run is not None and dest_run is not None:
-        dest[dest_run].copy_(source[source_run])
-        return
-    src, out = _wide_rows(source), _wide_rows(dest)
-    if (src.dtype, src.shape[1:]) != (out.dtype, out.shape[1:]):  # one could not be widened: both as they are
-        src, out = source, dest
-    picked = src[source_run] if source_run is not None else src.index_select(0, torch.from_numpy(rows))
-    if dest_run is not None:
-        out[dest_run].copy_(picked)
-    else:
-        out.index_copy_(0, torch.from_numpy(at), picked)
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="interlace-gather")
+    cuts = np.searchsorted(ends, np.arange(1, _COPY_THREADS) * total / _COPY_THREADS).tolist()
+    runs = [copies[a:b] for a, b in zip([0, *cuts], [*cuts, len(copies)]) if b > a]
+    for done in [_copy_pool.submit(_copy_run, run) for run in runs]:
+        done.result()
 
 
-def _run(rows: np.ndarray) -> slice | None:
-    """``rows`` as a slice when they are one ascending run."""
-    if len(rows) == 1 or (len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1)):
-        return slice(int(rows[0]), int(rows[-1]) + 1)
-    return None
+def _copy_run(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
+    scratch = torch.empty(0, dtype=torch.uint8)  # rows picked out of a chunk, reused: fresh memory
+    for copy, out in copies:  # for each chunk would fault in its pages every time
+        rows, target = _wide_rows(copy.rows), _wide_rows(out)
+        if rows.shape[1:] != target.shape[1:]:  # one of them could not be widened: both as they are
+            rows, target = copy.rows, out
+        if copy.source is not None:
+            if scratch.numel() < copy.nbytes:
+                scratch = torch.empty(copy.nbytes, dtype=torch.uint8)
+            picked = scratch[: copy.nbytes].view(rows.dtype).view(-1, *rows.shape[1:])
+            rows = torch.index_select(rows, 0, copy.source, out=picked)
+        if isinstance(copy.dest, slice):
+            target[copy.dest].copy_(rows)  # one run (e.g. a single invoke)
+        else:
+            target.index_copy_(0, copy.dest, rows)
 
 
 def _wide_rows(t: torch.Tensor) -> torch.Tensor:
@@ -244,3 +236,59 @@ def _wide_rows(t: torch.Tensor) -> torch.Tensor:
         if row_bytes % wide.itemsize == 0 and t.data_ptr() % wide.itemsize == 0:
             return t.view(n, -1).view(torch.uint8).view(wide)
     return t
+
+
+def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gather | dict[int, object]:
+    """Where one name's rows go for each wanted owner (by index into ``wanted``): one indexed
+    copy per chunk into one tensor, each result a view of it, so a report file stores it once
+    and the driver maps it without copying. Rows of different shapes are assembled at once."""
+    for chunk, _ in parts:
+        if chunk.ready is not None:
+            chunk.ready.synchronize()
+    sorter = np.argsort(wanted)
+    owner = np.concatenate([c.owners[m] for c, m in parts])
+    invoke = sorter[np.searchsorted(wanted, owner, sorter=sorter)]
+    if len({(c.rows.shape[1:], c.rows.dtype) for c, _ in parts}) != 1:
+        return _assemble_unlike(parts, invoke)
+    chunk = np.concatenate([np.full(int(m.sum()), i) for i, (_, m) in enumerate(parts)])
+    start = np.concatenate([c.starts[m] for c, m in parts])
+    length = np.concatenate([(c.stops - c.starts)[m] for c, m in parts])
+    order = np.argsort(invoke, kind="stable")  # owner-major; save order within an owner
+    chunk, start, length, invoke = chunk[order], start[order], length[order], invoke[order]
+    # one entry per row, in destination order: its chunk and its row there
+    row_chunk = np.repeat(chunk, length)
+    row_source = np.repeat(start - np.cumsum(length) + length, length) + np.arange(length.sum())
+    by_chunk = np.argsort(row_chunk, kind="stable")  # destination rows grouped by source chunk
+    bounds = np.cumsum([0] + np.bincount(row_chunk, minlength=len(parts)).tolist())
+    first = parts[0][0].rows
+    row_bytes = first[:1].nbytes
+    copies = []
+    for i, (c, _) in enumerate(parts):
+        dest = by_chunk[bounds[i] : bounds[i + 1]]
+        source = row_source[dest]
+        if len(dest) == c.rows.shape[0]:  # every row of the chunk (a permutation of them): scatter it whole
+            in_order = np.empty_like(dest)
+            in_order[source] = dest
+            copies.append(_Copy(c.rows, None, _destination(in_order), row_bytes * len(dest)))
+        elif len(dest):
+            copies.append(_Copy(c.rows, torch.from_numpy(source), _destination(dest), row_bytes * len(dest)))
+    present = np.unique(invoke)
+    counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
+    return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist())
+
+
+def _destination(rows: np.ndarray) -> slice | torch.Tensor:
+    """Destination rows for a chunk's copy: a slice when they are one ascending run."""
+    if len(rows) and np.all(np.diff(rows) == 1):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.from_numpy(rows)
+
+
+def _assemble_unlike(parts: list[tuple[SaveChunk, np.ndarray]], invoke: np.ndarray) -> dict[int, object]:
+    """Rows of different shapes under one name: a list per owner, in save order (rare: one
+    Python step per saved range)."""
+    out: dict[int, list] = defaultdict(list)
+    ranges = ((c.rows, a, b) for c, m in parts for a, b in zip(c.starts[m], c.stops[m]))
+    for i, (rows, a, b) in zip(invoke.tolist(), ranges):
+        out[i].append(rows[a:b].clone())  # own storage: a view would pickle the whole chunk
+    return {i: values[0] if len(values) == 1 else values for i, values in out.items()}

@@ -2,10 +2,10 @@
 
 Reports bypass vLLM's engine-core process, so large tensors never travel through it. For a single
 local engine the sink is a folder (``dir:/path``): per trace, one data file per rank holding the
-saved rows, laid out in runs as they arrive while the trace runs (saves.py), and one header file
-per batch of invokes a rank reported together (a trace's invokes usually finish in the same step),
-written under a ``.partial-*`` name and renamed into place once complete; the driver reads them as
-they appear (:mod:`report_file`). The cluster's collector actor is another sink kind.
+saved rows, reserved ahead while the trace runs, and one header file per batch of invokes a rank
+reported together (a trace's invokes usually finish in the same step), written under a
+``.partial-*`` name and renamed into place once complete; the driver reads them as they appear
+(:mod:`report_file`). The cluster's collector actor is another sink kind.
 
 Used on each rank from its reporter thread only (a sink keeps the trace's open data files).
 """
@@ -13,7 +13,6 @@ Used on each rank from its reporter thread only (a sink keeps the trace's open d
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import os
 import tempfile
@@ -21,64 +20,32 @@ from pathlib import Path
 from typing import Iterator
 
 from interlace.workers.report_file import DataFile, ReportFileWriter, read_report_file
-from interlace.workers.saves import SaveChunk, SavedRows
 
 SUFFIX = ".reports"
-_SPARE_BYTES = 64 << 20  # room a folder must keep beyond a chunk's rows for them to be written
 
 
 class DirSink:
     def __init__(self, root: str):
         self.root = Path(root)
         self._data: dict[tuple[str, int], DataFile] = {}  # (trace, stage) -> its open data file
-        self._rows: dict[tuple[str, int], SavedRows] = {}  # (trace, stage) -> its saved rows, in that file
-        self._lost: dict[tuple[str, int], Exception] = {}  # (trace, stage) -> why its saves are lost
         self._numbers = itertools.count()
 
-    def take_in(self, stage: int, chunk: SaveChunk) -> None:
-        """Lay out a chunk of saved rows in its trace's data file (see saves.py). If that fails,
-        the trace's saves on this rank are lost, and :meth:`take` says why.
-
-        Memory of the data file is taken as rows are written: a folder without room for them
-        fails here with ENOSPC rather than the worker with SIGBUS at the write.
-        """
-        key = (chunk.trace, stage)
-        if key in self._lost:
-            return
-        try:
-            data = self._data_file(*key)
-            folder = os.statvfs(data.path.parent)
-            if folder.f_bavail * folder.f_frsize < chunk.rows.nbytes + _SPARE_BYTES:
-                raise OSError(errno.ENOSPC, f"no room for saves under {data.path.parent} "
-                              f"({folder.f_bavail * folder.f_frsize >> 20} MiB free)")
-            if key not in self._rows:
-                self._rows[key] = SavedRows(data.region)
-            self._rows[key].take_in(chunk)
-        except Exception as exc:  # noqa: BLE001 - reported with the trace's invokes
-            self._lost[key] = exc
-            self._rows.pop(key, None)
-
-    def take(self, trace: str, stage: int, owners: list[int]) -> list[dict]:
-        """The owners' saved rows by name (views of the data file); forgets them."""
-        lost = self._lost.get((trace, stage))
-        if lost is not None:
-            raise RuntimeError(f"saved rows could not be stored: {lost}") from lost
-        rows = self._rows.get((trace, stage))
-        return rows.take(owners) if rows is not None else [{} for _ in owners]
+    def reserve(self, trace: str, stage: int, nbytes: int) -> None:
+        """Have the trace's data file hold ``nbytes`` (all its batches' rows) allocated and mapped."""
+        self._data_file(trace, stage).reserve(nbytes)
 
     def close(self, trace: str, stage: int) -> None:
         """The trace's last batch on this rank is written: truncate and close its data file."""
-        self._rows.pop((trace, stage), None)
-        self._lost.pop((trace, stage), None)
         data = self._data.pop((trace, stage), None)
         if data is not None:
             data.close()
 
     @contextlib.contextmanager
     def batch(self, trace: str, stage: int) -> Iterator[ReportFileWriter]:
-        """A batch being written: ``batch.finish(reports)``, with saves taken from :meth:`take`.
-        It appears as ``<trace>/<stage>-<first invoke>.reports`` (unique: a stage reports each
-        invoke once) when the block ends; a failure leaves no header behind."""
+        """A batch being written: gather saves into ``batch.allocate(...)``'s tensors, then
+        ``batch.finish(reports)``. It appears as ``<trace>/<stage>-<first invoke>.reports`` (unique:
+        a stage reports each invoke once) when the block ends; a failure leaves no header behind
+        (its region of the data file stays unused)."""
         data = self._data_file(trace, stage)
         fd, tmp = tempfile.mkstemp(dir=data.path.parent, prefix=".partial-")
         try:
@@ -88,13 +55,13 @@ class DirSink:
                 raise RuntimeError("a report batch ended without finish(reports)")
         except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            os.unlink(tmp)  # saves already gathered stay readable: their mapping outlives the name
             raise
         os.close(fd)
         os.replace(tmp, data.path.parent / f"{stage}-{min(r['invoke'] for r in batch.reports)}{SUFFIX}")
 
     def write(self, trace: str, stage: int, reports: list[dict]) -> None:
-        """A batch written at once."""
+        """A batch whose tensors are all pickled in its header (none gathered into the data file)."""
         with self.batch(trace, stage) as batch:
             batch.finish(reports)
 

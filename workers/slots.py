@@ -6,7 +6,7 @@ step over a :class:`SlotTable` rather than a Python loop over invokes (0.5-1 ms 
 invokes, measured on an H200 host).
 
     table = SlotTable()
-    slot = table.add(prompt_len=12, max_tokens=8, max_save_bytes=2**30, timeout_s=60.0, invoke=0, some_steps=False)
+    slot = table.add(prompt_len=12, max_save_bytes=2**30, timeout_s=60.0, invoke=0, some_steps=False)
     table.next_position[[slot]]                # columns are indexed by slot arrays
     table.remove(slot)                         # the number is reused by a later invoke
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_COLUMNS = {"prompt_len": np.int64, "max_tokens": np.int64, "next_position": np.int64, "replay_until": np.int64,
+_COLUMNS = {"prompt_len": np.int64, "next_position": np.int64, "replay_until": np.int64,
             "save_used": np.int64, "save_limit": np.int64, "time_left": np.float64, "invoke": np.int64,
             "group": np.int64, "some_steps": np.bool_}
 
@@ -30,7 +30,7 @@ class SlotTable:
             setattr(self, name, np.empty(0, dtype))
         self._grow(capacity)
 
-    def add(self, prompt_len: int, max_tokens: int, max_save_bytes: int, timeout_s: float, invoke: int, some_steps: bool) -> int:
+    def add(self, prompt_len: int, max_save_bytes: int, timeout_s: float, invoke: int, some_steps: bool) -> int:
         if self._free:
             slot = self._free.pop()
         else:
@@ -38,7 +38,6 @@ class SlotTable:
             if slot >= len(self.prompt_len):
                 self._grow(2 * len(self.prompt_len))
         self.prompt_len[slot] = prompt_len
-        self.max_tokens[slot] = max_tokens  # generation steps it may run (sizes its saves' room)
         self.next_position[slot] = 0  # where the next scheduled chunk must start; less means recomputation
         self.replay_until[slot] = 0  # rows before this position are recomputed ones (after a preemption)
         self.save_used[slot] = 0

@@ -1,0 +1,92 @@
+"""The save ledger hands each invoke exactly its own rows, also when its slot number is reused.
+
+Slots are reused as soon as an invoke finishes (see workers/slots.py), while rows it shared a chunk
+with may still wait for the rest of its group; a reused slot must not pick those up again.
+"""
+
+import numpy as np
+import torch
+
+from interlace.workers.saves import SaveLedger
+
+
+def _rows(*values: float) -> torch.Tensor:
+    return torch.tensor(values).reshape(-1, 1)
+
+
+def test_reused_slot_gets_only_rows_saved_after_it_was_reused():
+    ledger = SaveLedger()
+    one_row_each = dict(starts=np.array([0, 1]), stops=np.array([1, 2]))
+    ledger.add("t", "h", _rows(10, 11), owners=np.array([0, 1]), **one_row_each)  # step 1: slots 0, 1
+    [first] = ledger.take("t", [0]).assemble()  # invoke A (slot 0) finishes; slot 1 goes on
+    assert first["h"].flatten().tolist() == [10]
+
+    # slot 0 now belongs to invoke C of the same trace
+    ledger.add("t", "h", _rows(20, 21), owners=np.array([0, 1]), **one_row_each)
+    [c, b] = ledger.take("t", [0, 1]).assemble()
+    assert c["h"].flatten().tolist() == [20]
+    assert b["h"].flatten().tolist() == [11, 21]
+    assert ledger.take("t", [0, 1]).assemble() == [{}, {}]  # nothing left behind
+
+
+def test_rows_of_several_lengths_concatenate_in_save_order():
+    ledger = SaveLedger()
+    ledger.add("t", "x", _rows(1, 2, 3), owners=np.array([5, 7]), starts=np.array([0, 2]), stops=np.array([2, 3]))
+    ledger.add("t", "x", _rows(4, 5), owners=np.array([7, 5]), starts=np.array([0, 1]), stops=np.array([1, 2]))
+    seven, five = ledger.take("t", [7, 5]).assemble()
+    assert five["x"].flatten().tolist() == [1, 2, 5]
+    assert seven["x"].flatten().tolist() == [3, 4]
+
+
+def test_a_chunk_in_batch_order_is_scattered_to_invoke_order():
+    # vLLM's batch order differs from invoke order: every row of the chunk moves, none is lost
+    ledger = SaveLedger()
+    for step in range(2):
+        ledger.add("t", "h", _rows(*(10 * step + o for o in (3, 1, 4, 2))), owners=np.array([3, 1, 4, 2]),
+                   starts=np.arange(4), stops=np.arange(1, 5))
+    results = ledger.take("t", [1, 2, 3, 4]).assemble()
+    assert [r["h"].flatten().tolist() for r in results] == [[1, 11], [2, 12], [3, 13], [4, 14]]
+
+
+def test_slab_memory_is_reused_only_after_reports_let_go():
+    ledger = SaveLedger()
+    hidden = 1024  # 256 x 1024 float32 = 1 MiB a chunk: 64 to a slab
+    owners = np.arange(256)
+    bounds = dict(starts=owners, stops=owners + 1)
+
+    def sweep(trace: str, offset: float):
+        for step in range(100):  # 100 MiB: with the other sweep, three slabs filled and a fourth begun
+            ledger.add(trace, "h", torch.full((256, hidden), float(offset + step)), owners=owners, **bounds)
+        return ledger.take(trace, owners.tolist())
+
+    first = sweep("a", 0)
+    second = sweep("b", 1000)  # the reporter has not written the first trace yet: nothing reused
+    assert ledger._pinned._spare == []
+    results = {"a": first.assemble(), "b": second.assemble()}
+    first.release(), second.release()
+    assert len(ledger._pinned._spare) == 3  # every full slab is free again
+    third = sweep("c", 2000)  # reuses them
+    results["c"] = third.assemble()
+    for trace, offset in (("a", 0), ("b", 1000), ("c", 2000)):  # reuse overwrote nothing reported
+        assert results[trace][7]["h"].shape == (100, hidden)
+        assert results[trace][7]["h"][:, 0].tolist() == [offset + s for s in range(100)]
+        assert results[trace][255]["h"][:, -1].tolist() == [offset + s for s in range(100)]
+
+
+def test_rows_of_any_width_and_layout_gather_exactly_also_split_across_batches():
+    """Rows are copied as wide elements when a row allows it (16 bytes: bfloat16 x 8), else as
+    they are (int8 x 3; a transposed, non-contiguous value); split across two reports either way."""
+    torch.manual_seed(0)
+    values = {"wide": torch.randn(4, 8).to(torch.bfloat16), "odd": torch.randint(-9, 9, (4, 3), dtype=torch.int8),
+              "strided": torch.randn(5, 4).t()}
+    ledger = SaveLedger()
+    owners, one_row_each = np.array([3, 1, 2, 0]), dict(starts=np.arange(4), stops=np.arange(1, 5))
+    for step in range(2):
+        for name, value in values.items():
+            ledger.add("t", name, value + step, owners=owners, **one_row_each)
+    first = ledger.take("t", [0, 2]).assemble()  # two of the four finish first
+    rest = ledger.take("t", [1, 3]).assemble()
+    for slot, saves in zip([0, 2, 1, 3], first + rest):
+        row = int(np.flatnonzero(owners == slot)[0])
+        for name, value in values.items():
+            assert torch.equal(saves[name], torch.stack([value[row], value[row] + 1])), (slot, name)
