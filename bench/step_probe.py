@@ -26,12 +26,15 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 TOTALS: dict[str, float] = collections.defaultdict(float)
 COUNTS: dict[str, int] = collections.defaultdict(int)
 SYNCS: collections.Counter = collections.Counter()
+LAST_STEP_END = [None]  # when the interleaver last ended a step (the trace's last forward pass)
 
 
 def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
     import torch
 
-    original = getattr(owner, name)
+    original = getattr(owner, name, None)
+    if original is None:  # not in this version of interlace (the probe also times other checkouts)
+        return
     cuda = torch.cuda.is_available()
 
     @functools.wraps(original)
@@ -136,6 +139,15 @@ def install_probes() -> None:
     timed(interleaver.Interleaver, "_program_groups", "  begin_step: program groups")
     timed(ops.OpPlan, "for_step", "  begin_step: op plans")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
+    end_step = interleaver.Interleaver.end_step
+
+    def end_step_(self):
+        try:
+            return end_step(self)
+        finally:
+            LAST_STEP_END[0] = time.perf_counter()
+
+    interleaver.Interleaver.end_step = end_step_
     timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
     timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
     probe_handoffs()
@@ -180,11 +192,14 @@ def main() -> None:
         for (variant, reserve_min), warm in [(v, w) for w in (True, False) for v in variants]:
             interleaver.RESERVE_MIN = reserve_min
             TOTALS.clear(), COUNTS.clear(), SYNCS.clear()
+            LAST_STEP_END[0] = None
             seconds, tokens, saved = run_interlace(model, data, args.out, cases[name])
+            tail = f"{time.perf_counter() - LAST_STEP_END[0]:.3f} s" if LAST_STEP_END[0] else "-"
             if warm:
                 continue
             steps = max(1, COUNTS["runner.execute_model"])
-            print(f"\n{name}{variant}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved")
+            print(f"\n{name}{variant}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved, "
+                  f"{tail} from the last step to the results")
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
             for where, count in SYNCS.most_common(10):
