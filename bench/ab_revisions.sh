@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A/B of interlace revisions on one lent GPU machine: bench/step_probe.py in one process per
+# revision, alternating, so that a difference between revisions is not a difference between lent
+# machines (plain vLLM's time for the same work moved 1.4-2.5 s between H200s and runs).
+#
+# Here, once per revision to compare (the working tree is the other side, named "tree"):
+#   bench/ab_revisions.sh prepare 86b617c           -> .ab/86b617c: that revision's package (git-ignored)
+# Then, after sending the vLLM site chunks (see bench/gpu_session.sh), one remote command with
+# carry [".ab"]:
+#   bash bench/ab_revisions.sh run "86b617c tree 86b617c tree" [ops-save4,prog-save4]
+# Each process starts an engine (about 100 s on a fresh machine, 50 s after) and runs `none` and the
+# cases twice (warm, timed); PER_RUN_S (default 240) bounds each process. Logs: $OUT/ab-<name>.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  prepare)
+    shift
+    for rev in "$@"; do
+      rm -rf ".ab/$rev" && mkdir -p ".ab/$rev"
+      git archive "$rev" pyproject.toml README.md driver workers cluster configs | tar -x -C ".ab/$rev"
+    done ;;
+  run)
+    if [ ! -d /tmp/site/vllm ]; then mkdir -p /tmp/site && cat /tmp/stash/chunk* | xz -d -T8 | tar -x -C /tmp/site; fi
+    export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
+    for name in $2; do
+      lib=/tmp/ab-lib-$name
+      if [ ! -d "$lib" ]; then
+        src=.; [ "$name" = tree ] || src=./.ab/$name
+        pip install -q --no-deps --no-build-isolation --no-index --target "$lib" "$src" >/dev/null 2>&1
+      fi
+      echo "=== $name"
+      PYTHONPATH=/tmp/site:$lib timeout "${PER_RUN_S:-240}" python3 bench/step_probe.py --cases "${3:-ops-save4,prog-save4}" 2>&1 \
+        | grep -v -e WARNING -e INFO -e '^\[W' -e '^$' | tee -a "${OUT:-/tmp}/ab-$name.log" \
+        | grep -e '^none' -e '^ops' -e '^prog' -e 'runner.execute_model' -e 'Error' || true
+    done ;;
+  *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME NAME ...' [cases]" >&2; exit 2 ;;
+esac
