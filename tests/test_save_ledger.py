@@ -7,7 +7,7 @@ with may still wait for the rest of its group; a reused slot must not pick those
 import numpy as np
 import torch
 
-from interlace.workers.saves import SaveLedger
+from interlace.workers.saves import SaveChunk, SaveLedger, TakenSaves
 
 
 def _rows(*values: float) -> torch.Tensor:
@@ -90,3 +90,16 @@ def test_rows_of_any_width_and_layout_gather_exactly_also_split_across_batches()
         row = int(np.flatnonzero(owners == slot)[0])
         for name, value in values.items():
             assert torch.equal(saves[name], torch.stack([value[row], value[row] + 1])), (slot, name)
+
+
+def test_rows_that_cannot_be_copied_as_wide_elements_keep_their_values():
+    """A non-contiguous chunk (the ledger's own copies are contiguous, but a chunk need not be) is
+    copied as it is, while the tensor it goes into could be widened: float32 x 5 rows must not be
+    copied as int32 x 5 (a cast of the values)."""
+    rows = torch.randn(5, 4).t()  # [4, 5] float32, non-contiguous
+    one = SaveChunk("x", rows, None, np.array([7]), np.array([0]), np.array([4]), 1)  # one owner: a slice copy
+    many = SaveChunk("y", rows, None, np.array([2, 1]), np.array([0, 2]), np.array([2, 4]), 2)  # scattered
+    taken = TakenSaves({"x": [(one, np.ones(1, bool))], "y": [(many, np.ones(2, bool))]}, np.array([1, 2, 7]))
+    by_one, by_two, by_seven = taken.assemble()
+    assert torch.equal(by_seven["x"], rows)
+    assert torch.equal(by_two["y"], rows[:2]) and torch.equal(by_one["y"], rows[2:])

@@ -211,7 +211,7 @@ def _copy_run(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
     scratch = torch.empty(0, dtype=torch.uint8)  # rows picked out of a chunk, reused: fresh memory
     for copy, out in copies:  # for each chunk would fault in its pages every time
         rows, target = _wide_rows(copy.rows), _wide_rows(out)
-        if rows.shape[1:] != target.shape[1:]:  # one of them could not be widened: both as they are
+        if (rows.dtype, rows.shape[1:]) != (target.dtype, target.shape[1:]):  # one could not be widened: both as they are
             rows, target = copy.rows, out
         if copy.source is not None:
             if scratch.numel() < copy.nbytes:
