@@ -1,0 +1,200 @@
+"""Host probe: what the save path's building blocks cost on this machine (no vLLM needed).
+
+A diagnostic for choosing how saves travel, not a figure against plain vLLM:
+
+    handoffs   a round trip between two Python threads (semaphores, as programs run now), the same
+               with both threads on one core, and a greenlet switch round trip (when importable)
+    gather     a sweep's 512 MiB of pinned step-major rows into invoke-major order in a /dev/shm
+               mapping: indexed copies and strided copies, on 1 and 4 threads; a plain memcpy
+    cuda       (with a GPU) pinning a /dev/shm mapping with cudaHostRegister, and device-to-host
+               copies into it, into pageable memory and into pinned memory; a device-side gather
+
+Usage: python bench/host_probe.py [--mib 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def timed(label: str, fn, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    print(f"  {label:58} {best * 1000:9.2f} ms", flush=True)
+    return best
+
+
+def handoffs(rounds: int = 3000) -> None:
+    print("handoffs (per round trip)")
+
+    def ping_pong(pin: int | None) -> float:
+        to_b, to_a = threading.Semaphore(0), threading.Semaphore(0)
+
+        def b():
+            if pin is not None:
+                os.sched_setaffinity(0, {pin})
+            for _ in range(rounds):
+                to_b.acquire()
+                to_a.release()
+
+        before = os.sched_getaffinity(0)
+        if pin is not None:
+            os.sched_setaffinity(0, {pin})
+        thread = threading.Thread(target=b)
+        thread.start()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            to_b.release()
+            to_a.acquire()
+        seconds = time.perf_counter() - started
+        thread.join()
+        os.sched_setaffinity(0, before)
+        return seconds / rounds
+
+    print(f"  {'threads, semaphores':58} {ping_pong(None) * 1e6:9.1f} us")
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    print(f"  {'threads, semaphores, both on one core':58} {ping_pong(cpu) * 1e6:9.1f} us")
+    try:
+        import greenlet
+    except ImportError:
+        print("  greenlet: not importable")
+        return
+    main = greenlet.getcurrent()
+
+    def body():
+        while True:
+            main.switch()
+
+    child = greenlet.greenlet(body)
+    started = time.perf_counter()
+    for _ in range(rounds):
+        child.switch()
+    print(f"  {'greenlet switch there and back':58} {(time.perf_counter() - started) / rounds * 1e6:9.1f} us")
+
+
+def shm_tensor(nbytes: int) -> torch.Tensor:
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(dir=folder)
+    os.unlink(path)
+    os.ftruncate(fd, nbytes)
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    out = torch.frombuffer(mapping, dtype=torch.uint8)
+    out[:: mmap.PAGESIZE].zero_()  # fault every page in, as reserving ahead does
+    return out
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    return t.view(t.shape[0], -1).view(torch.uint8).view(torch.complex128)
+
+
+def gather(mib: int) -> None:
+    invokes, hidden, names = 256, 2048, 4
+    steps = mib * 2**20 // (invokes * hidden * 2 * names)
+    pinned = torch.cuda.is_available()
+    print(f"gather ({names} names x {steps} steps x {invokes} invokes x {hidden} bf16 = {mib} MiB, "
+          f"sources {'pinned' if pinned else 'pageable'}, destination /dev/shm)")
+    chunks = [[torch.randn(invokes, hidden).to(torch.bfloat16).pin_memory() if pinned else
+               torch.randn(invokes, hidden).to(torch.bfloat16) for _ in range(steps)] for _ in range(names)]
+    out = shm_tensor(mib * 2**20).view(torch.bfloat16).view(names, invokes * steps, hidden)
+    dest = [torch.arange(invokes) * steps + k for k in range(steps)]
+    pool = ThreadPoolExecutor(4)
+
+    def indexed(n: int) -> None:
+        for k, c in enumerate(chunks[n]):
+            wide(out[n]).index_copy_(0, dest[k], wide(c))
+
+    def strided(n: int) -> None:
+        for k, c in enumerate(chunks[n]):
+            out[n][k::steps].copy_(c)
+
+    def contiguous(n: int) -> None:
+        for k, c in enumerate(chunks[n]):
+            out[n][k * invokes : (k + 1) * invokes].copy_(c)
+
+    for label, fn in [("indexed copies (16-byte elements)", indexed), ("strided copies", strided),
+                      ("contiguous copies (memcpy)", contiguous)]:
+        timed(f"{label}, 1 thread", lambda: [fn(n) for n in range(names)])
+        timed(f"{label}, 4 threads", lambda: list(pool.map(fn, range(names))))
+
+
+def cuda(mib: int) -> None:
+    if not torch.cuda.is_available():
+        print("cuda: no GPU")
+        return
+    nbytes = mib * 2**20
+    print(f"cuda ({mib} MiB)")
+    device = torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16).view(torch.uint8)[:nbytes]
+    torch.cuda.synchronize()
+    shm = shm_tensor(nbytes)
+    cudart = torch.cuda.cudart()
+    started = time.perf_counter()
+    rc = cudart.cudaHostRegister(shm.data_ptr(), nbytes, 0)
+    print(f"  {'cudaHostRegister of a /dev/shm mapping':58} {(time.perf_counter() - started) * 1000:9.2f} ms (rc {rc})")
+
+    def d2h(dst: torch.Tensor):
+        def go():
+            dst.copy_(device, non_blocking=True)
+            torch.cuda.synchronize()
+        return go
+
+    timed("device -> registered /dev/shm mapping", d2h(shm))
+    timed("device -> pinned (cudaHostAlloc)", d2h(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)))
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable.zero_()
+    timed("device -> pageable", d2h(pageable))
+    started = time.perf_counter()
+    cudart.cudaHostUnregister(shm.data_ptr())
+    print(f"  {'cudaHostUnregister':58} {(time.perf_counter() - started) * 1000:9.2f} ms")
+    rows = device.view(-1, 4096)
+    perm = torch.randperm(rows.shape[0], device="cuda")
+    torch.cuda.synchronize()
+
+    def device_gather():
+        rows.index_select(0, perm)
+        torch.cuda.synchronize()
+
+    timed("device-side gather (index_select of 4 KiB rows)", device_gather)
+    stream = torch.cuda.Stream()
+    host = torch.empty(rows[:256].shape, dtype=torch.uint8, pin_memory=True)
+    launches = 2000
+
+    def copy_launches():
+        for _ in range(launches):
+            host.copy_(rows[:256], non_blocking=True)
+        torch.cuda.synchronize()
+
+    def event_records():
+        for _ in range(launches):
+            torch.cuda.Event().record()
+        torch.cuda.synchronize()
+
+    with torch.cuda.stream(stream):
+        per = timed(f"{launches} async 1 MiB device-to-host copies", copy_launches) / launches
+    print(f"  {'... per copy':58} {per * 1e6:9.1f} us")
+    per = timed(f"{launches} event records", event_records) / launches
+    print(f"  {'... per event':58} {per * 1e6:9.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=512)
+    args = parser.parse_args()
+    print(f"cores this process may use: {len(os.sched_getaffinity(0))}; torch threads {torch.get_num_threads()}")
+    handoffs()
+    gather(args.mib)
+    cuda(args.mib)
+
+
+if __name__ == "__main__":
+    main()
