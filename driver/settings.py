@@ -3,6 +3,9 @@
     INTERLACE_CACHE      where embedded models are built (default ~/.cache/interlace)
     INTERLACE_DEVICE     "cpu" or "cuda"; default: cuda when torch sees a GPU, else cpu
     INTERLACE_TRACE_TIMEOUT  seconds one trace's programs may run in total before they are cut off
+    INTERLACE_DEVICE_SAVES_GIB  GPU memory (GiB) a worker rank may keep saved rows in until they
+                         are reported (default 2; at most half the memory free at the first save);
+                         past it, saves are copied to pinned host memory as they are made
 """
 
 from __future__ import annotations
@@ -26,3 +29,7 @@ def device() -> str:
 
 def trace_timeout_s() -> float:
     return float(os.environ.get("INTERLACE_TRACE_TIMEOUT", "60"))
+
+
+def device_saves_bytes() -> int:
+    return int(float(os.environ.get("INTERLACE_DEVICE_SAVES_GIB", "2")) * 2**30)

@@ -5,9 +5,10 @@ with may still wait for the rest of its group; a reused slot must not pick those
 """
 
 import numpy as np
+import pytest
 import torch
 
-from interlace.workers.saves import SaveChunk, SaveLedger, TakenSaves
+from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TakenSaves
 
 
 def _rows(*values: float) -> torch.Tensor:
@@ -103,3 +104,49 @@ def test_rows_that_cannot_be_copied_as_wide_elements_keep_their_values():
     by_one, by_two, by_seven = taken.assemble()
     assert torch.equal(by_seven["x"], rows)
     assert torch.equal(by_two["y"], rows[:2]) and torch.equal(by_one["y"], rows[2:])
+
+
+@pytest.mark.gpu
+def test_rows_kept_on_the_gpu_gather_exactly_past_its_room_too_and_give_the_room_back():
+    """Rows stay on the GPU while the rank's room lasts, then go to pinned host memory; a name
+    with rows in both places, split across two reports, still gathers exactly, and the room is
+    given back once both reports have let go."""
+    torch.manual_seed(0)
+    chunk_bytes = 4 * 8 * 4  # [4, 8] float32
+    room = DeviceRoom(limit=3 * chunk_bytes)
+    ledger = SaveLedger(room)
+    owners, one_row_each = np.array([3, 1, 2, 0]), dict(starts=np.arange(4), stops=np.arange(1, 5))
+    values = [torch.randn(4, 8, device="cuda") for _ in range(5)]
+    expected = [v.cpu() for v in values]
+    for value in values:
+        ledger.add("t", "h", value, owners=owners, **one_row_each)
+    ledger.add("t", "fresh", values[0] * 2, owners=owners, fresh=True, **one_row_each)  # no room left: host
+    assert [c.rows.is_cuda for c in ledger._chunks["t"]] == [True, True, True, False, False, False]
+    values[0].add_(100)  # saves are snapshots: editing the tensor afterwards changes nothing
+    first = ledger.take("t", [0, 2])
+    results = first.assemble()
+    rest = ledger.take("t", [1, 3])
+    results += rest.assemble()
+    for slot, saves in zip([0, 2, 1, 3], results):
+        row = int(np.flatnonzero(owners == slot)[0])
+        assert saves["h"].device.type == "cpu"
+        assert torch.equal(saves["h"], torch.stack([e[row] for e in expected])), slot
+        assert torch.equal(saves["fresh"], expected[0][row : row + 1] * 2)
+    assert room.used == 3 * chunk_bytes  # the reports still hold the rows
+    first.release(), rest.release()
+    assert room.used == 0
+
+
+@pytest.mark.gpu
+def test_rows_all_on_the_gpu_are_gathered_there_in_invoke_order():
+    ledger = SaveLedger(DeviceRoom(limit=1 << 30))
+    owners = np.array([2, 0, 1])
+    for step in range(3):  # invoke 0 saves two rows a step, the others one
+        rows = torch.arange(4 * 16, dtype=torch.bfloat16, device="cuda").reshape(4, 16) + 100 * step
+        ledger.add("t", "x", rows, owners=owners, starts=np.array([0, 1, 3]), stops=np.array([1, 3, 4]))
+    one, rest = ledger.take("t", [0]), ledger.take("t", [1, 2])
+    [zero], [first, second] = one.assemble(), rest.assemble()
+    expect = lambda a, b: torch.cat([torch.arange(16 * a, 16 * b, dtype=torch.bfloat16).reshape(-1, 16) + 100 * s
+                                     for s in range(3)])
+    assert torch.equal(zero["x"], expect(1, 3)) and zero["x"].dtype == torch.bfloat16
+    assert torch.equal(first["x"], expect(3, 4)) and torch.equal(second["x"], expect(0, 1))

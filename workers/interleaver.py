@@ -449,7 +449,7 @@ class Interleaver:
             value = _gather(split, access.read(point, rows))
             if op["op"] == "save":
                 self._save_rows(step_op.invokes, step_op.slots, op.get("name") or op["point"], value,
-                                step_op.starts, step_op.stops)
+                                step_op.starts, step_op.stops, fresh=split is not None or access.is_copy(point, rows))
             else:
                 access.write(point, rows, _local(split, apply_op(op, value)))
         except Exception as exc:  # noqa: BLE001
@@ -504,10 +504,12 @@ class Interleaver:
             inv.saves.setdefault(name, []).append(value)
 
     def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, name: str, value: torch.Tensor,
-                   starts: np.ndarray, stops: np.ndarray) -> None:
-        """Record ``value`` once for the whole group (invoke i owns rows ``starts[i]:stops[i]``).
+                   starts: np.ndarray, stops: np.ndarray, fresh: bool = False) -> None:
+        """Record ``value`` once for the whole group (invoke i owns rows ``starts[i]:stops[i]``);
+        ``fresh``: a copy made for this save (an op's gathered rows), kept without another copy.
 
-        The engine never waits here: the host copy is asynchronous (see saves.py). Every TP rank
+        The engine never waits here: rows stay on the device or are copied asynchronously (see
+        saves.py). Every TP rank
         checks the limit, so an over-limit save fails the same way everywhere; only the rank that
         reports keeps the rows.
         """
@@ -523,7 +525,7 @@ class Interleaver:
             )
         self.slots.save_used[slots] = used
         if self.rank["tp_rank"] == 0:
-            self.ledger.add(invokes[0].trace, name, value, slots, starts, stops)
+            self.ledger.add(invokes[0].trace, name, value, slots, starts, stops, fresh)
             self._reserve_ahead(invokes[0], len(value) * row_bytes)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:

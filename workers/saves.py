@@ -1,11 +1,20 @@
 """Saved values on their way from a worker rank to an invoke's report.
 
 A save of rows (a tensor whose dim 0 runs over a group's tokens or invokes) is recorded once for
-its whole group: one :class:`SaveChunk` per save call, holding a host copy of the rows and, as
-arrays, which invoke owns which of them. On a GPU the copy is made at save time, asynchronously on
-the engine's stream into pinned host memory, so no step waits for it and an invoke's bytes are on
-the host before it is reported. Reporting is then a host gather per name: for a sweep of 256
-invokes x 128 steps x 4 names, four concatenations and four row selections, not 131,072 slices.
+its whole group: one :class:`SaveChunk` per save call, holding a copy of the rows and, as arrays,
+which invoke owns which of them. Where the copy lives:
+
+- On a GPU, while the rank's :class:`DeviceRoom` has room, it stays on the device (a device-side
+  copy costs one kernel and nothing on the host). Reporting gathers each name's rows on the device
+  into invoke order and moves them to the host in one copy: on an H200 host, 512 MiB of rows were
+  gathered on the device in 0.3 ms and moved in 37 ms, where gathering them on the host from
+  step-major chunks took 170 ms after the trace's last step (bench/host_probe.py).
+- Past that room (and for shared contributions), asynchronously into pinned host memory on the
+  engine's stream, so no step waits for it; reporting gathers those on the host.
+- On a CPU, a plain copy.
+
+Either way reporting is one gather per name: for a sweep of 256 invokes x 128 steps x 4 names,
+four row selections, not 131,072 slices.
 
     ledger.add(trace, "l3", rows, owners=slots, starts=starts, stops=stops)     (numpy arrays)
     ledger.take(trace, [slot, ...]).assemble()  ->  [{"l3": tensor}, ...]   (take forgets them)
@@ -15,7 +24,9 @@ invokes x 128 steps x 4 names, four concatenations and four row selections, not 
 from __future__ import annotations
 
 from collections import defaultdict
+import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,7 +34,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from interlace import settings
 from interlace.workers.pinned import PinnedSlabs, Slab
+from interlace.workers.points import device_index
 
 
 @dataclass
@@ -31,7 +44,7 @@ class SaveChunk:
     """One save call's rows, for every invoke of its group."""
 
     name: str
-    rows: torch.Tensor  # host copy (pinned and possibly still in flight when it came from a GPU)
+    rows: torch.Tensor  # kept on the GPU, or a host copy (pinned, possibly still in flight)
     ready: torch.cuda.Event | None  # recorded after the copy; None for host values
     owners: np.ndarray  # invoke slot of each range
     starts: np.ndarray  # each owner's rows of ``rows``: starts[i]:stops[i]
@@ -39,6 +52,7 @@ class SaveChunk:
     pending: int  # owners not yet reported
     slab: Slab | None = None  # where ``rows`` live (pinned slabs): released when no report needs them
     taken: np.ndarray | None = None  # which owners' rows were handed out (their slot may be reused)
+    device_holds: int = 0  # holders of rows kept on the device (the ledger, reports): room given back at 0
 
 
 def host_copy(value: torch.Tensor, pinned: PinnedSlabs | None = None
@@ -80,18 +94,76 @@ class HostRows:
         return self.rows[self.start : self.stop].clone()  # own storage: a view would pickle it all
 
 
+class DeviceRoom:
+    """How many bytes of saved rows this rank keeps on its GPU until they are reported.
+
+    vLLM sizes its KV cache to leave the rest of the GPU's memory free; saves may use at most
+    ``INTERLACE_DEVICE_SAVES_GIB`` of it, and never more than half of what is free when the
+    first save is made. Thread-safe: rows are kept on the engine thread and let go of on the
+    reporter thread.
+    """
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit  # None: decided at the first save
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> bool:
+        with self._lock:
+            if self.limit is None:
+                free, _total = torch.cuda.mem_get_info(device)
+                self.limit = min(settings.device_saves_bytes(), free // 2)
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+
 class SaveLedger:
     """Every tensor of rows saved on this rank, by trace, until its invokes are reported."""
 
-    def __init__(self):
+    def __init__(self, device_room: DeviceRoom | None = None):
         self._chunks: dict[str, list[SaveChunk]] = defaultdict(list)
         self._pinned = PinnedSlabs()
+        self._room = device_room or DeviceRoom()
+        self._holds = threading.Lock()  # device_holds change on the engine and reporter threads
+        self._device_streams: set = set()  # streams rows were kept on (reports wait for them)
 
     def add(self, trace: str, name: str, value: torch.Tensor, owners: np.ndarray, starts: np.ndarray,
-            stops: np.ndarray) -> None:
-        """Rows of ``value`` for a group: owner ``owners[i]`` (a slot) has rows ``starts[i]:stops[i]``."""
+            stops: np.ndarray, fresh: bool = False) -> None:
+        """Rows of ``value`` for a group: owner ``owners[i]`` (a slot) has rows ``starts[i]:stops[i]``.
+        ``fresh``: ``value`` was made for this save and nothing else refers to it (no copy needed)."""
+        value = value.detach()
+        if value.is_cuda and self._room.take(value.nbytes, value.device):
+            rows = value if fresh else value.clone()  # a snapshot: later in-place kernels cannot change it
+            self._device_streams.add(torch.cuda.current_stream(value.device))
+            self._chunks[trace].append(SaveChunk(name, rows, None, owners, starts, stops, len(owners),
+                                                 device_holds=1))  # the ledger's hold
+            return
         rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
         self._chunks[trace].append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab))
+
+    def retain(self, chunk: SaveChunk) -> None:
+        """One more holder of the chunk's memory (a report that will read it)."""
+        if chunk.device_holds:
+            with self._holds:
+                chunk.device_holds += 1
+        else:
+            self._pinned.retain(chunk.slab)
+
+    def release(self, chunk: SaveChunk) -> None:
+        """A holder is done with the chunk's memory: the last one makes it reusable."""
+        if chunk.device_holds:
+            with self._holds:
+                chunk.device_holds -= 1
+                if chunk.device_holds == 0:
+                    self._room.give(chunk.rows.nbytes)
+        else:
+            self._pinned.release(chunk.slab)
 
     def take(self, trace: str, owners: list[int]) -> "TakenSaves":
         """The owners' saves, to assemble later (on any thread). Chunks every owner of which has
@@ -105,16 +177,17 @@ class SaveLedger:
                 mine &= ~chunk.taken
             if mine.any():
                 by_name[chunk.name].append((chunk, mine))
-                self._pinned.retain(chunk.slab)  # the report's hold, released once it is written
+                self.retain(chunk)  # the report's hold, released once it is written
                 chunk.pending -= int(mine.sum())
                 chunk.taken = mine if chunk.taken is None else chunk.taken | mine
             if chunk.pending > 0:
                 kept.append(chunk)
             else:
-                self._pinned.release(chunk.slab)  # the ledger's hold
+                self.release(chunk)  # the ledger's hold
         if kept:
             self._chunks[trace] = kept
-        return TakenSaves(dict(by_name), wanted, self._pinned)
+        chunks = [chunk for parts in by_name.values() for chunk, _ in parts]
+        return TakenSaves(dict(by_name), wanted, self, DeviceReady.now(chunks, self._device_streams))
 
 
 Allocate = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
@@ -131,14 +204,15 @@ class TakenSaves:
 
     parts: dict[str, list[tuple[SaveChunk, np.ndarray]]]  # by name: chunks and which entries are wanted
     wanted: np.ndarray  # the owners, in the order results come back
-    pinned: PinnedSlabs | None = None
+    ledger: SaveLedger | None = None
+    device_ready: DeviceReady | None = None  # after the rows kept on the device (None: none are)
 
     def release(self) -> None:
         """Once assembled (results no longer point into the chunks): let their memory be reused."""
-        if self.pinned is not None:
+        if self.ledger is not None:
             for parts in self.parts.values():
                 for chunk, _ in parts:
-                    self.pinned.release(chunk.slab)
+                    self.ledger.release(chunk)
 
     def assemble(self, allocate: Allocate = host_tensors) -> list[dict[str, Any]]:
         """Each owner's saves by name: rows of all its chunks, in save order, concatenated along
@@ -148,10 +222,15 @@ class TakenSaves:
         dtype (all at once, sizes known before any byte moves: a report file's data region, so
         that gathering is writing); each owner's result is a view of it.
         """
-        plans = {name: _plan(parts, self.wanted) for name, parts in self.parts.items()}
-        gathers = {name: plan for name, plan in plans.items() if isinstance(plan, _Gather)}
-        into = dict(zip(gathers, allocate([(g.shape, g.dtype) for g in gathers.values()])))
-        _copy([(copy, into[name]) for name, plan in gathers.items() for copy in plan.copies])
+        with _after_engine(self.device_ready):  # on a side stream, behind the engine's device copies
+            plans = {name: _plan(parts, self.wanted) for name, parts in self.parts.items()}
+            gathers = {name: plan for name, plan in plans.items() if isinstance(plan, _Gather)}
+            into = dict(zip(gathers, allocate([(g.shape, g.dtype) for g in gathers.values()])))
+            for name, plan in gathers.items():
+                if plan.on_device:
+                    _gather_on_device(plan, into[name])
+            _copy([(copy.on_host(), into[name]) for name, plan in gathers.items() if not plan.on_device
+                   for copy in plan.copies])
         results: list[dict[str, Any]] = [{} for _ in self.wanted]
         for name, plan in plans.items():
             for i, value in (plan.views(into[name]) if name in into else plan).items():
@@ -168,6 +247,13 @@ class _Copy:
     dest: slice | torch.Tensor  # where they go
     nbytes: int  # bytes copied
 
+    def on_host(self) -> "_Copy":
+        """The same copy from a host copy of the rows (for rows kept on the device whose name
+        also has rows on the host: rare, a trace that outgrew the device room)."""
+        if not self.rows.is_cuda:
+            return self
+        return _Copy(self.rows.to("cpu"), self.source, self.dest, self.nbytes)
+
 
 @dataclass
 class _Gather:
@@ -178,10 +264,65 @@ class _Gather:
     copies: list[_Copy]  # one per chunk
     owners: list[int]  # index into ``wanted`` of each owner with rows, in destination order
     counts: list[int]  # each such owner's number of rows
+    chunks: list[SaveChunk]  # the chunks rows come from
+    row_chunk: np.ndarray  # [rows] each destination row's chunk (index into ``chunks``)
+    row_source: np.ndarray  # [rows] and its row there
 
     def views(self, out: torch.Tensor) -> dict[int, torch.Tensor]:
         """Each owner's rows of ``out``, once the copies have filled it."""
         return dict(zip(self.owners, out.split(self.counts)))
+
+    @property
+    def on_device(self) -> bool:
+        """Every row is on the GPU: gathered there, then moved to the host in one copy."""
+        return bool(self.chunks) and all(chunk.rows.is_cuda for chunk in self.chunks)
+
+
+@dataclass
+class DeviceReady:
+    """When rows kept on a GPU may be read from another thread: events recorded on the engine
+    thread after every device copy queued so far, on each stream saves were made on."""
+
+    device: torch.device
+    events: list[torch.cuda.Event]
+
+    @classmethod
+    def now(cls, chunks: list[SaveChunk], streams: set) -> "DeviceReady | None":
+        devices = {chunk.rows.device for chunk in chunks if chunk.device_holds}
+        if not devices:
+            return None
+        events = []
+        for stream in streams:
+            events.append(torch.cuda.Event())
+            events[-1].record(stream)
+        return cls(devices.pop(), events)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _after_engine(ready: DeviceReady | None):
+    """The device work of a report: on a stream of the reporter's own (on the rows' device, which
+    need not be this thread's current one), after the engine's copies."""
+    if ready is None:
+        yield
+        return
+    stream = _side_streams.setdefault(ready.device, torch.cuda.Stream(ready.device))
+    with torch.cuda.device(ready.device), torch.cuda.stream(stream):
+        for event in ready.events:
+            stream.wait_event(event)
+        yield
+
+
+def _gather_on_device(plan: "_Gather", out: torch.Tensor) -> None:
+    """One name's rows, all on the GPU: the chunks concatenated and put in order there (two
+    kernels and one index upload, whatever the number of chunks), then moved into ``out`` on the
+    host in one copy, which waits for them."""
+    rows = torch.cat([chunk.rows for chunk in plan.chunks])
+    sizes = np.array([len(chunk.rows) for chunk in plan.chunks], dtype=np.int64)
+    order = (np.cumsum(sizes) - sizes)[plan.row_chunk] + plan.row_source  # each destination row's source
+    out.copy_(rows.index_select(0, device_index(torch.from_numpy(order), rows.device)))
 
 
 _COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))  # of the cores this process may use
@@ -262,8 +403,8 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
     bounds = np.cumsum([0] + np.bincount(row_chunk, minlength=len(parts)).tolist())
     first = parts[0][0].rows
     row_bytes = first[:1].nbytes
-    copies = []
-    for i, (c, _) in enumerate(parts):
+    copies = []  # host copies, one per chunk (rows all on the GPU are gathered there from the rows' arrays)
+    for i, (c, _) in enumerate(parts if not all(c.rows.is_cuda for c, _ in parts) else ()):
         dest = by_chunk[bounds[i] : bounds[i + 1]]
         source = row_source[dest]
         if len(dest) == c.rows.shape[0]:  # every row of the chunk (a permutation of them): scatter it whole
@@ -274,7 +415,8 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
             copies.append(_Copy(c.rows, torch.from_numpy(source), _destination(dest), row_bytes * len(dest)))
     present = np.unique(invoke)
     counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
-    return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist())
+    return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist(),
+                   [c for c, _ in parts], row_chunk, row_source)
 
 
 def _destination(rows: np.ndarray) -> slice | torch.Tensor:
@@ -290,5 +432,5 @@ def _assemble_unlike(parts: list[tuple[SaveChunk, np.ndarray]], invoke: np.ndarr
     out: dict[int, list] = defaultdict(list)
     ranges = ((c.rows, a, b) for c, m in parts for a, b in zip(c.starts[m], c.stops[m]))
     for i, (rows, a, b) in zip(invoke.tolist(), ranges):
-        out[i].append(rows[a:b].clone())  # own storage: a view would pickle the whole chunk
+        out[i].append(rows[a:b].to("cpu", copy=True))  # own storage: a view would pickle the whole chunk
     return {i: values[0] if len(values) == 1 else values for i, values in out.items()}
