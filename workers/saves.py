@@ -399,12 +399,23 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
     # one entry per row, in destination order: its chunk and its row there
     row_chunk = np.repeat(chunk, length)
     row_source = np.repeat(start - np.cumsum(length) + length, length) + np.arange(length.sum())
+    first = parts[0][0].rows
+    copies = [] if all(c.rows.is_cuda for c, _ in parts) else _host_copies(parts, row_chunk, row_source)
+    present = np.unique(invoke)
+    counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
+    return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist(),
+                   [c for c, _ in parts], row_chunk, row_source)
+
+
+def _host_copies(parts: list[tuple[SaveChunk, np.ndarray]], row_chunk: np.ndarray, row_source: np.ndarray
+                 ) -> list[_Copy]:
+    """One copy per chunk, for rows gathered on the host (rows all on the GPU are gathered there
+    from ``row_chunk`` and ``row_source`` alone)."""
     by_chunk = np.argsort(row_chunk, kind="stable")  # destination rows grouped by source chunk
     bounds = np.cumsum([0] + np.bincount(row_chunk, minlength=len(parts)).tolist())
-    first = parts[0][0].rows
-    row_bytes = first[:1].nbytes
-    copies = []  # host copies, one per chunk (rows all on the GPU are gathered there from the rows' arrays)
-    for i, (c, _) in enumerate(parts if not all(c.rows.is_cuda for c, _ in parts) else ()):
+    row_bytes = parts[0][0].rows[:1].nbytes
+    copies = []
+    for i, (c, _) in enumerate(parts):
         dest = by_chunk[bounds[i] : bounds[i + 1]]
         source = row_source[dest]
         if len(dest) == c.rows.shape[0]:  # every row of the chunk (a permutation of them): scatter it whole
@@ -413,10 +424,7 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
             copies.append(_Copy(c.rows, None, _destination(in_order), row_bytes * len(dest)))
         elif len(dest):
             copies.append(_Copy(c.rows, torch.from_numpy(source), _destination(dest), row_bytes * len(dest)))
-    present = np.unique(invoke)
-    counts = np.bincount(invoke, weights=length, minlength=len(wanted)).astype(np.int64)[present]
-    return _Gather((int(length.sum()), *first.shape[1:]), first.dtype, copies, present.tolist(), counts.tolist(),
-                   [c for c, _ in parts], row_chunk, row_source)
+    return copies
 
 
 def _destination(rows: np.ndarray) -> slice | torch.Tensor:
