@@ -74,9 +74,12 @@ def _add(label: str, seconds: float) -> None:
 
 def probe_handoffs() -> None:
     """Split the engine's waits for programs into the program's own running time and the two
-    handoffs (engine to program thread, and back), by timestamps on each side."""
+    handoffs (engine to program thread, and back), by timestamps on each side (revisions that ran
+    programs on threads; programs are greenlets on the engine's thread since)."""
     from interlace.workers.calls import ProgramCall
 
+    if not hasattr(ProgramCall, "_wait_for_program"):
+        return
     now = time.perf_counter
     start, resume, wait_at, wait = (ProgramCall.start, ProgramCall.resume, ProgramCall.wait_at,
                                     ProgramCall._wait_for_program)
@@ -150,6 +153,7 @@ def install_probes() -> None:
     interleaver.Interleaver.end_step = end_step_
     timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
     timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
+    timed(calls.ProgramCall, "_switch_in", "engine runs programs (greenlets)", debug_sync=False)
     probe_handoffs()
     timed(saves, "host_copy", "saves.host_copy")
     timed(saves.SaveLedger, "take", "reports: ledger.take")

@@ -1,6 +1,6 @@
 """Declarative operations: interventions as data, no code.
 
-They give the same results as the equivalent program, run without a program thread, and batch
+They give the same results as the equivalent program, run without switching to a program, and batch
 across invokes: the form for untrusted users and for speed.
 
     >>> import torch, interlace

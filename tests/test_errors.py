@@ -65,6 +65,22 @@ def test_infinite_loop_is_cut_off(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_a_program_that_swallows_the_interruption_is_still_stopped(llama, oracles):
+    def stubborn(m):
+        m.layers[0].resid
+        try:
+            while True:
+                pass
+        except Exception:  # catches the interruption, then tries to go on
+            pass
+        m.layers[1].resid
+
+    with pytest.raises(interlace.InterventionError, match="time limit of 1s"):
+        with llama.trace(timeout_s=1) as tr:
+            tr.invoke(PROMPT, program=stubborn)
+    _still_serves(llama, oracles)
+
+
 def test_the_time_limit_is_for_the_whole_trace_not_each_step(llama, oracles):
     def slow(m):  # 0.3 s at every step: within 1 s at any one step, past it by the fourth
         m.layers[0].resid

@@ -491,7 +491,7 @@ class Interleaver:
         slots = ctx.members.slots
         self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - call.used_s)
 
-    # --- services for programs (called from the program thread while the engine waits) --------
+    # --- services for programs (called from a program the engine switched in) -------------------
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor) and value.dim() >= 1:

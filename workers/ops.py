@@ -4,7 +4,7 @@ An op is a plain dict made by :mod:`interlace.ops` on the driver::
 
     {"op": "add", "point": "layers.3.resid", "value": tensor[hidden], "tokens": "all", "steps": None}
 
-Ops run inline in the module's hook (no program thread), and every invoke of a step that carries
+Ops run inline in the module's hook (no program to switch to), and every invoke of a step that carries
 the same op (same ``key``) is handled by one indexed tensor operation: a sweep of 256 invokes
 steering one layer costs one ``index_add`` per step, not 256 Python calls.
 """

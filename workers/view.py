@@ -190,7 +190,7 @@ class ProgramView:
     def where(self) -> str:
         return self._ctx.step_words() + (f", at {self._current}" if self._current else "")
 
-    # --- interleaving (called from the program thread) -------------------------------------------
+    # --- interleaving (called from the program) ------------------------------------------------------
 
     def _resolve(self, path: str) -> str:
         return self._tree.resolve(path)
