@@ -98,6 +98,12 @@ class ProgramCall:
     def done(self) -> bool:
         return self.waiting_for is FINISHED
 
+    @property
+    def running(self) -> bool:
+        """Whether the program's frames are the ones its thread runs now (greenlet keeps a frame
+        only for a greenlet switched out; this flips inside the switch itself)."""
+        return bool(self._greenlet) and self._greenlet.gr_frame is None
+
     def _switch_in(self, value: Any) -> None:
         """Run the program until it waits at its next point or finishes, within its budget (a
         :class:`ProgramError` handed in is raised at the program's point)."""
@@ -116,7 +122,7 @@ class ProgramCall:
         finally:
             WATCHDOG.leave(self)
             self.used_s += time.monotonic() - started
-        if self.timed_out or (not self.done and self.used_s >= self.budget_s):
+        if self.timed_out or self.used_s >= self.budget_s:  # interrupted, or finished past the limit
             self._time_out()
 
     def _time_out(self) -> None:
@@ -182,11 +188,11 @@ class Watchdog:
     swallow it).
 
     An interruption must land in the program, never in the engine's own code. It is raised only
-    while the program runs, as :meth:`enter` and :meth:`leave` record under the lock, and
-    programs :meth:`leave` before they switch back to the engine; :meth:`leave` also clears an
-    interruption raised too late to have landed. (Should one still reach the engine side after
-    a program raised on its way out, it is a :class:`ProgramError` like any other and fails only
-    that step's invokes.)
+    while the program's greenlet is the one running (see :attr:`ProgramCall.running`) and its
+    call is entered, under the lock; programs :meth:`leave` before they switch back to the
+    engine, which also clears an interruption raised too late to have landed. One that lands on
+    a program's way out ends its greenlet, and the engine side catches it as it comes out of the
+    switch.
     """
 
     def __init__(self, period: float = 0.05):
@@ -216,7 +222,7 @@ class Watchdog:
             now = time.monotonic()
             with self._lock:
                 for thread, (call, deadline) in self._running.items():
-                    if now > deadline:
+                    if now > deadline and call.running:
                         call.timed_out = True
                         _raise_in(thread, ProgramError)
 

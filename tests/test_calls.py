@@ -1,0 +1,87 @@
+"""Program calls as greenlets: the watchdog's interruptions land in programs, never in the engine.
+
+Programs run on the engine's own thread, and a program past its time limit is stopped by an
+exception raised in that thread from another one. These tests race programs that finish just
+around their deadline against a watchdog that looks every millisecond, while the "engine" (this
+test) keeps running Python between calls: an interruption landing there would raise here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from interlace.workers import calls
+from interlace.workers.calls import ProgramCall
+from interlace.workers.points import Point
+
+
+class _View:
+    def where(self) -> str:
+        return "step 0"
+
+
+@pytest.fixture
+def fast_watchdog(monkeypatch):
+    """A watchdog that looks every 0.2 ms, and threads that hand the GIL over every 50 us (the
+    defaults, 50 ms and 5 ms, make the races below rare rather than absent)."""
+    monkeypatch.setattr(calls.WATCHDOG, "period", 0.0002)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.00005)
+    yield calls.WATCHDOG
+    sys.setswitchinterval(interval)
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_interruptions_never_land_in_the_engine(fast_watchdog):
+    timed_out = finished = 0
+    for i in range(2000):
+        run_for = 0.002 * (i % 5) / 4  # 0 to 2 ms: before, at and after the 1 ms budget
+
+        def program(m, run_for=run_for):
+            _spin(run_for)
+
+        call = ProgramCall(program, _View(), budget_s=0.001, limit_s=0.001)
+        call.start()  # an interruption landing on this side would raise here...
+        _spin(0.0005)  # ...or here, in the engine's own Python
+        assert call.done
+        timed_out += call.error is not None
+        finished += call.error is None
+    assert timed_out and finished  # both outcomes raced
+    _spin(0.01)  # and nothing is raised here afterwards: no call is left running
+
+
+def test_a_program_waiting_at_a_point_is_resumed_with_its_value_and_stopped_past_its_budget(fast_watchdog):
+    seen = []
+
+    def program(m):
+        seen.append(call.wait_at(Point("model.layers.0", "resid")))
+        _spin(1.0)  # far past the budget: interrupted
+
+    call = ProgramCall(program, _View(), budget_s=0.05, limit_s=0.05)
+    call.start()
+    assert call.waiting_for == Point("model.layers.0", "resid") and not call.done
+    call.resume("value")
+    assert seen == ["value"] and call.done
+    assert "time limit of 0.05s" in call.error["message"] and call.used_s < 0.5
+
+
+def test_a_program_that_swallows_every_interruption_inside_a_point_is_stopped_at_its_next_access(fast_watchdog):
+    def program(m):
+        for _ in range(100):
+            try:
+                _spin(0.01)
+            except calls.ProgramError:
+                pass
+        call.wait_at(Point("model.layers.1", "resid"))  # refused: past the limit
+
+    call = ProgramCall(program, _View(), budget_s=0.005, limit_s=0.005)
+    call.start()
+    assert call.done and "time limit" in call.error["message"]
