@@ -9,6 +9,8 @@ asynchronous scheduling.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
        [--no-baseline]
+A case named ``NAME@host`` runs NAME with saves copied to pinned host memory at once instead of
+kept on the GPU (as before saves stayed on the device), for an A/B in one process.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ TOTALS: dict[str, float] = collections.defaultdict(float)
 COUNTS: dict[str, int] = collections.defaultdict(int)
 SYNCS: collections.Counter = collections.Counter()
 LAST_STEP_END = [None]  # when the interleaver last ended a step (the trace's last forward pass)
+SAVES_ON_HOST = [False]  # a case@host: the device room refuses every save
+STEPS: list[tuple[int, float, float]] = []  # per runner step: tokens scheduled, wall seconds, engine thread CPU seconds
 
 
 def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
@@ -57,6 +61,40 @@ def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
             COUNTS[label] += 1
 
     setattr(owner, name, wrapper)
+
+
+def time_steps(owner) -> None:
+    """Each runner step's wall time and the engine thread's CPU time in it, by tokens scheduled:
+    whether a case's extra time is spread over every step or lands in a few, and whether the
+    engine thread spends it working or waiting (for the GIL, a lock, the GPU)."""
+    original = owner.execute_model
+
+    @functools.wraps(original)
+    def wrapper(self, scheduler_output, *args, **kwargs):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+            STEPS.append((tokens, time.perf_counter() - wall, time.thread_time() - cpu))
+
+    owner.execute_model = wrapper
+
+
+def print_steps() -> None:
+    import numpy as np
+
+    if not STEPS:
+        return
+    tokens, wall, cpu = (np.array(column) for column in zip(*STEPS))
+    for label, mask in (("decode steps", tokens <= 512), ("prefill steps", tokens > 512)):
+        if mask.any():
+            w, c = 1000 * wall[mask], 1000 * cpu[mask]
+            print(f"  {label:14} {mask.sum():4d}: wall ms median {np.median(w):7.3f} p90 {np.percentile(w, 90):7.3f} "
+                  f"max {w.max():7.3f} sum {w.sum():8.1f} | engine thread CPU ms median {np.median(c):7.3f} sum {c.sum():8.1f}")
+    slowest = np.argsort(-wall)[:5]
+    print("  slowest steps (index, tokens, wall ms, cpu ms): "
+          + ", ".join(f"({i}, {tokens[i]}, {1000 * wall[i]:.1f}, {1000 * cpu[i]:.1f})" for i in sorted(slowest)))
 
 
 def _gc_timer(phase: str, info: dict) -> None:
@@ -135,6 +173,9 @@ def install_probes() -> None:
     from interlace import model as driver_model
     from interlace.workers import calls, interleaver, ops, report_file, saves
 
+    time_steps(Worker)
+    take = saves.DeviceRoom.take
+    saves.DeviceRoom.take = lambda self, nbytes, device: not SAVES_ON_HOST[0] and take(self, nbytes, device)
     timed(Worker, "execute_model", "runner.execute_model", debug_sync=False)
     timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
     timed(interleaver.Interleaver, "_dispatch", "interleaver.hooks")
@@ -166,6 +207,15 @@ def install_probes() -> None:
     timed(driver_model, "read_new_reports", "driver: read reports", debug_sync=False)
 
 
+def _device_segments() -> int:
+    """How many device memory segments torch's caching allocator has obtained so far (cudaMalloc calls)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="ops-save4,prog-save4,prog-steer1")
@@ -193,19 +243,24 @@ def main() -> None:
 
     variants = [("", interleaver.RESERVE_MIN)] + ([(" (no reserving ahead)", 1 << 62)] if args.reserve_ab else [])
     for name in ([] if args.no_baseline else ["none"]) + args.cases.split(","):
+        case, _, where = name.partition("@")
+        SAVES_ON_HOST[0] = where == "host"
         for (variant, reserve_min), warm in [(v, w) for w in (True, False) for v in variants]:
             interleaver.RESERVE_MIN = reserve_min
-            TOTALS.clear(), COUNTS.clear(), SYNCS.clear()
+            TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear()
             LAST_STEP_END[0] = None
-            seconds, tokens, saved = run_interlace(model, data, args.out, cases[name])
+            segments = _device_segments()
+            seconds, tokens, saved = run_interlace(model, data, args.out, cases[case])
+            segments = _device_segments() - segments
             tail = f"{time.perf_counter() - LAST_STEP_END[0]:.3f} s" if LAST_STEP_END[0] else "-"
             if warm:
                 continue
             steps = max(1, COUNTS["runner.execute_model"])
             print(f"\n{name}{variant}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved, "
-                  f"{tail} from the last step to the results")
+                  f"{tail} from the last step to the results, {segments} device memory segments allocated (cudaMalloc)")
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
+            print_steps()
             for where, count in SYNCS.most_common(10):
                 print(f"  sync x{count}: {where}")
     with contextlib.suppress(Exception):
