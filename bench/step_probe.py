@@ -30,6 +30,7 @@ COUNTS: dict[str, int] = collections.defaultdict(int)
 SYNCS: collections.Counter = collections.Counter()
 LAST_STEP_END = [None]  # when the interleaver last ended a step (the trace's last forward pass)
 SAVES_ON_HOST = [False]  # a case@host: the device room refuses every save
+PROFILE: list = [None]  # --profile: a cProfile.Profile enabled only inside the runner's steps
 STEPS: list[tuple[int, float, float]] = []  # per runner step: tokens scheduled, wall seconds, engine thread CPU seconds
 
 
@@ -72,9 +73,13 @@ def time_steps(owner) -> None:
     @functools.wraps(original)
     def wrapper(self, scheduler_output, *args, **kwargs):
         wall, cpu = time.perf_counter(), time.thread_time()
+        if PROFILE[0] is not None:
+            PROFILE[0].enable()
         try:
             return original(self, scheduler_output, *args, **kwargs)
         finally:
+            if PROFILE[0] is not None:
+                PROFILE[0].disable()
             tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 0)
             STEPS.append((tokens, time.perf_counter() - wall, time.thread_time() - cpu))
 
@@ -207,6 +212,19 @@ def install_probes() -> None:
     timed(driver_model, "read_new_reports", "driver: read reports", debug_sync=False)
 
 
+def _print_profile(profile, top: int, steps: int) -> None:
+    """The runner steps' functions with the most own time, per step (times are cProfile's, so
+    inflated for Python-heavy code: compare cases, not with the wall times above)."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, own, cumulative, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"  profile: {sum(v[2] for v in stats.values()) * 1000 / steps:.3f} ms/step of own time in all; the top {top}:")
+    for (file, line, name), (calls, _, own, cumulative, _) in rows:
+        where = f"{'/'.join(file.split('/')[-3:])}:{line}({name})"
+        print(f"    {1000 * own / steps:7.3f} own {1000 * cumulative / steps:8.3f} cum ms/step {calls / steps:7.1f} calls/step  {where}")
+
+
 def _device_segments() -> int:
     """How many device memory segments torch's caching allocator has obtained so far (cudaMalloc calls)."""
     import torch
@@ -224,6 +242,8 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no-baseline", action="store_true", help="skip the 'none' case (e.g. under a profiler)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the runner's steps (cProfile) and print the N functions with the most own time")
     parser.add_argument("--reserve-ab", action="store_true",
                         help="run each case also without reserving report data files ahead (an A/B in one process)")
     args = parser.parse_args()
@@ -250,8 +270,13 @@ def main() -> None:
             TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear()
             LAST_STEP_END[0] = None
             segments = _device_segments()
+            if args.profile and not warm:
+                import cProfile
+
+                PROFILE[0] = cProfile.Profile()
             seconds, tokens, saved = run_interlace(model, data, args.out, cases[case])
             segments = _device_segments() - segments
+            profile, PROFILE[0] = PROFILE[0], None
             tail = f"{time.perf_counter() - LAST_STEP_END[0]:.3f} s" if LAST_STEP_END[0] else "-"
             if warm:
                 continue
@@ -261,6 +286,8 @@ def main() -> None:
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
             print_steps()
+            if profile is not None:
+                _print_profile(profile, args.profile, steps)
             for where, count in SYNCS.most_common(10):
                 print(f"  sync x{count}: {where}")
     with contextlib.suppress(Exception):
