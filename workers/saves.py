@@ -169,16 +169,24 @@ class SaveLedger:
         """The owners' saves, to assemble later (on any thread). Chunks every owner of which has
         now been taken are dropped from the ledger."""
         wanted = np.array(owners, dtype=np.int64)
+        chunks = self._chunks.pop(trace, [])
+        # A lookup table by slot rather than np.isin per chunk (a tenth of the time): a sweep's
+        # trace has a chunk per name per step, 520 for 4 names x 130 steps, and this runs on the
+        # engine thread. Its last entry stands for every slot past the wanted ones.
+        is_wanted = np.zeros(int(wanted.max(initial=-1)) + 2, dtype=bool)
+        is_wanted[wanted] = True
+        past = len(is_wanted) - 1
         by_name: dict[str, list[tuple[SaveChunk, np.ndarray]]] = defaultdict(list)
         kept = []
-        for chunk in self._chunks.pop(trace, ()):
-            mine = np.isin(chunk.owners, wanted)
+        for chunk in chunks:
+            mine = is_wanted[np.minimum(chunk.owners, past)]
             if chunk.taken is not None:
                 mine &= ~chunk.taken
-            if mine.any():
+            count = np.count_nonzero(mine)
+            if count:
                 by_name[chunk.name].append((chunk, mine))
                 self.retain(chunk)  # the report's hold, released once it is written
-                chunk.pending -= int(mine.sum())
+                chunk.pending -= count
                 chunk.taken = mine if chunk.taken is None else chunk.taken | mine
             if chunk.pending > 0:
                 kept.append(chunk)
