@@ -11,9 +11,12 @@ generated tokens each, greedy, eager mode (forward hooks need it). Cases:
     prog-steer1-each the steering program unbatched: one program call per invoke per step
 
 Both engines stay up side by side (a plain ``vllm.LLM`` and an interlace model with the same
-settings); every timed interlace run is paired with a plain run just before it, and a case's figure
-is the median of its paired ratios (interlace tok/s / plain tok/s). Pairing cancels the machine's
-drift, which between separate runs was larger than the effects measured.
+settings); every timed interlace run is paired with a plain run just before it on the same new
+prompts, and a case's figure is the median of its paired ratios (interlace tok/s / plain tok/s).
+Pairing cancels the machine's drift, which between separate runs was larger than the effects
+measured. (Until 2026-11-23's eighth session every run reused the same prompts, so plain vLLM and
+the `none` case served them from the prefix cache while intervened requests, which bypass it,
+computed every prompt token: an advantage for plain vLLM of about 2 prefill steps per run.)
 
 Usage: python bench/runner_bench.py [--n 256] [--in 128] [--out 128] [--tp 1] [--pp 1]
        [--cases a,b] [--repeats 3] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
@@ -23,6 +26,7 @@ Prints one JSON line per pair, then a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -53,8 +57,8 @@ def make_model_dir(path: str) -> None:
 ENGINE_ARGS = dict(load_format="dummy", gpu_memory_utilization=0.35)  # two engines share the GPU
 
 
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
@@ -158,12 +162,16 @@ def main() -> None:
     run_plain(plain, data, args.out)  # warm-ups at full size: kernels compile per batch shape
     run_interlace(model, data, args.out, cases["ops-steer1"])
 
-    table = []
+    table, seeds = [], itertools.count(1)
     for name in args.cases.split(","):
         ratios, plain_rates = [], []
         for _ in range(args.repeats):
-            p_seconds, p_tokens = run_plain(plain, data, args.out)
-            i_seconds, i_tokens, saved_mib = run_interlace(model, data, args.out, cases[name])
+            # New prompts for every pair, the same for both engines: prompts seen before would be
+            # served from plain vLLM's prefix cache (an intervened request's prompt never is: its
+            # hooks must see every token), which is not the workload of N new prompts.
+            fresh = prompts(args.n, args.inp, min(1000, hf.vocab_size), seed=next(seeds))
+            p_seconds, p_tokens = run_plain(plain, fresh, args.out)
+            i_seconds, i_tokens, saved_mib = run_interlace(model, fresh, args.out, cases[name])
             plain_rates.append(p_tokens / p_seconds)
             ratios.append((i_tokens / i_seconds) / plain_rates[-1])
             print(json.dumps({"case": name, "plain_s": round(p_seconds, 3), "interlace_s": round(i_seconds, 3),
