@@ -56,8 +56,7 @@ def _one_torch_thread_beside_accelerators(device) -> None:
     step. vLLM 0.26's single-process executor keeps the default. Measured on an H200, in one
     process: the 4-layer save case's decode steps took 9.8 ms median (p90 16.7) with 16 threads
     and 8.5 ms (p90 9.3) with one; the other cases moved within noise. A CPU worker keeps its
-    threads (they run
-    the model), and an ``OMP_NUM_THREADS`` set by the user wins.
+    threads (they run the model), and an ``OMP_NUM_THREADS`` set by the user wins.
     """
     if device.type == "cpu" or "OMP_NUM_THREADS" in os.environ:
         return
