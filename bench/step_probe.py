@@ -182,6 +182,17 @@ def install_probes() -> None:
     take = saves.DeviceRoom.take
     saves.DeviceRoom.take = lambda self, nbytes, device: not SAVES_ON_HOST[0] and take(self, nbytes, device)
     timed(Worker, "execute_model", "runner.execute_model", debug_sync=False)
+    timed(Worker, "sample_tokens", "runner.sample_tokens", debug_sync=False)
+    # vLLM's own phases, to see which of them a case slows down (V2 runner names; V1 lacks some)
+    with contextlib.suppress(ImportError):
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+        for phase in ("finish_requests", "add_requests", "update_requests", "prepare_inputs", "prepare_attn",
+                      "sample", "postprocess_sampled"):
+            timed(V2Runner, phase, f"  vllm: {phase}", debug_sync=False)
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    timed(LlamaForCausalLM, "forward", "  vllm: model forward (hooks included)", debug_sync=False)
     timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
     timed(interleaver.Interleaver, "_dispatch", "interleaver.hooks")
     timed(interleaver.Interleaver, "_schedule", "  begin_step: schedule (arrays)")
@@ -218,11 +229,72 @@ def _print_profile(profile, top: int, steps: int) -> None:
     import pstats
 
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, own, cumulative, callers)
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    ours = os.environ.get("PROBE_PROFILE_OURS")  # e.g. "interlace|workers": those files only, by cumulative time
+    if ours:
+        rows = sorted(((k, v) for k, v in stats.items() if any(w in k[0] for w in ours.split("|"))), key=lambda kv: -kv[1][3])[:top]
+    else:
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     print(f"  profile: {sum(v[2] for v in stats.values()) * 1000 / steps:.3f} ms/step of own time in all; the top {top}:")
     for (file, line, name), (calls, _, own, cumulative, _) in rows:
         where = f"{'/'.join(file.split('/')[-3:])}:{line}({name})"
         print(f"    {1000 * own / steps:7.3f} own {1000 * cumulative / steps:8.3f} cum ms/step {calls / steps:7.1f} calls/step  {where}")
+
+
+@contextlib.contextmanager
+def _switched_off(owner, name: str, replacement):
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _ablate_keep():
+    """Saved rows are made (gathered, limits checked) but not kept: nothing held, nothing reported."""
+    from interlace.workers import saves
+
+    return _switched_off(saves.SaveLedger, "add", lambda *args, **kwargs: None)
+
+
+def _ablate_ops():
+    """Declarative ops do nothing at their hooks (the hooks, schedules and plans stay)."""
+    from interlace.workers import interleaver
+
+    return _switched_off(interleaver.Interleaver, "_apply_op", lambda *args, **kwargs: None)
+
+
+def _ablate_dispatch():
+    """Hooks return at once (begin_step still schedules, plans, and starts programs)."""
+    from interlace.workers import interleaver
+
+    return _switched_off(interleaver.Interleaver, "_dispatch", lambda self, step, module, family, hooked: hooked)
+
+
+def _ablate_step():
+    """No steps at all: requests are admitted and finished, hooks installed, and called for nothing."""
+    from interlace.workers import interleaver
+
+    return _switched_off(interleaver.Interleaver, "begin_step", lambda self, layout: None)
+
+
+ABLATIONS = {"keep": _ablate_keep, "ops": _ablate_ops, "dispatch": _ablate_dispatch, "step": _ablate_step}
+
+
+def _blocking_cuda_sync() -> None:
+    """cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) before the device's context exists."""
+    import ctypes
+
+    import torch  # loads libcudart
+
+    import glob
+
+    with open("/proc/self/maps") as maps:
+        loaded = [line.split()[-1] for line in maps if "libcudart.so" in line]
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    path = (loaded + sorted(glob.glob(f"{site}/nvidia/**/libcudart.so*", recursive=True)))[0]
+    assert ctypes.CDLL(path).cudaSetDeviceFlags(0x04) == 0, "cudaSetDeviceFlags failed"
+    print(f"CUDA waits block (cudaDeviceScheduleBlockingSync, {path})")
 
 
 def _device_segments() -> int:
@@ -246,7 +318,17 @@ def main() -> None:
                         help="profile the runner's steps (cProfile) and print the N functions with the most own time")
     parser.add_argument("--reserve-ab", action="store_true",
                         help="run each case also without reserving report data files ahead (an A/B in one process)")
+    parser.add_argument("--threads-ab", type=int, default=0, metavar="N",
+                        help="run each case also with N torch intra-op threads (interlace serves a GPU with 1)")
+    parser.add_argument("--ablate", action="append", default=[], choices=sorted(ABLATIONS),
+                        help="run each case also with this part of interlace switched off (results are then "
+                             "incomplete: a diagnostic of where time goes)")
+    parser.add_argument("--blocking-sync", action="store_true",
+                        help="CUDA waits block instead of spinning, so time the engine thread waits for the GPU "
+                             "shows as wall time above its CPU time")
     args = parser.parse_args()
+    if args.blocking_sync:
+        _blocking_cuda_sync()
 
     import interlace
     from runner_bench import MODEL_DIR, config, interlace_cases, make_model_dir, prompts, run_interlace
@@ -261,12 +343,20 @@ def main() -> None:
     install_probes()
     from interlace.workers import interleaver
 
-    variants = [("", interleaver.RESERVE_MIN)] + ([(" (no reserving ahead)", 1 << 62)] if args.reserve_ab else [])
+    import torch
+
+    threads = torch.get_num_threads()
+    variants = [("", interleaver.RESERVE_MIN, threads, None)]
+    variants += [(" (no reserving ahead)", 1 << 62, threads, None)] if args.reserve_ab else []
+    variants += [(f" (torch threads {args.threads_ab})", interleaver.RESERVE_MIN, args.threads_ab, None)] if args.threads_ab else []
+    variants += [(f" (ablated: {name})", interleaver.RESERVE_MIN, threads, name) for name in args.ablate]
     for name in ([] if args.no_baseline else ["none"]) + args.cases.split(","):
         case, _, where = name.partition("@")
         SAVES_ON_HOST[0] = where == "host"
-        for (variant, reserve_min), warm in [(v, w) for w in (True, False) for v in variants]:
+        for (variant, reserve_min, torch_threads, ablation), warm in [(v, w) for w in (True, False) for v in variants]:
             interleaver.RESERVE_MIN = reserve_min
+            torch.set_num_threads(torch_threads)
+            ablated = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
             TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear()
             LAST_STEP_END[0] = None
             segments = _device_segments()
@@ -274,7 +364,10 @@ def main() -> None:
                 import cProfile
 
                 PROFILE[0] = cProfile.Profile()
-            seconds, tokens, saved = run_interlace(model, data, args.out, cases[case])
+            process_cpu = time.process_time()
+            with ablated:
+                seconds, tokens, saved = run_interlace(model, data, args.out, cases[case])
+            process_cpu = time.process_time() - process_cpu
             segments = _device_segments() - segments
             profile, PROFILE[0] = PROFILE[0], None
             tail = f"{time.perf_counter() - LAST_STEP_END[0]:.3f} s" if LAST_STEP_END[0] else "-"
@@ -282,7 +375,8 @@ def main() -> None:
                 continue
             steps = max(1, COUNTS["runner.execute_model"])
             print(f"\n{name}{variant}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved, "
-                  f"{tail} from the last step to the results, {segments} device memory segments allocated (cudaMalloc)")
+                  f"{tail} from the last step to the results, {segments} device memory segments allocated (cudaMalloc); "
+                  f"process CPU {process_cpu:.3f} s in all threads, torch intra-op threads {torch.get_num_threads()}")
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
             print_steps()
