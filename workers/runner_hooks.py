@@ -71,7 +71,10 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         _guard(inter, inter.finish, scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             payload = _payload(new)
-            if payload is not None:
+            # V2 drops a preempted request's state and adds it again as new when it resumes; its
+            # invoke keeps its state here, so the rows recomputed are replayed (Interleaver._schedule)
+            # as on V1, which resumes it in place.
+            if payload is not None and new.req_id not in inter.invokes:
                 _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload)
         state["in_step"] = inter.active
         if intermediate_tensors is not None and inter.active:  # an earlier stage's carry
