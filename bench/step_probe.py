@@ -8,7 +8,10 @@ mode, switched on only while interlace code runs), the usual reason a hook stall
 asynchronous scheduling.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
-       [--no-baseline]
+       [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
+       [--blocking-sync]
+Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
+the machine may drift between runs minutes apart, so compare a case with its own variants.
 A case named ``NAME@host`` runs NAME with saves copied to pinned host memory at once instead of
 kept on the GPU (as before saves stayed on the device), for an A/B in one process.
 """
