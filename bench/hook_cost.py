@@ -25,7 +25,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
@@ -79,7 +78,6 @@ def main() -> None:
     for variant, rows in results.items():
         print(f"{variant:14} median {statistics.median(r[0] for r in rows):6.3f} s   "
               f"forward {statistics.median(r[1] for r in rows):6.3f} ms/step")
-    del torch
 
 
 if __name__ == "__main__":
