@@ -34,6 +34,7 @@ SYNCS: collections.Counter = collections.Counter()
 LAST_STEP_END = [None]  # when the interleaver last ended a step (the trace's last forward pass)
 SAVES_ON_HOST = [False]  # a case@host: the device room refuses every save
 PROFILE: list = [None]  # --profile: a cProfile.Profile enabled only inside the runner's steps
+EVENTS: list[tuple[str, float, float]] = []  # (label, start, end) of every timed call, for the tail's timeline
 STEPS: list[tuple[int, float, float]] = []  # per runner step: tokens scheduled, wall seconds, engine thread CPU seconds
 
 
@@ -61,8 +62,10 @@ def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
                 for w in caught:
                     if "synchroniz" in str(w.message):
                         SYNCS[f"{label}: {w.filename}:{w.lineno}"] += 1
-            TOTALS[label] += time.perf_counter() - started
+            ended = time.perf_counter()
+            TOTALS[label] += ended - started
             COUNTS[label] += 1
+            EVENTS.append((label, started, ended))
 
     setattr(owner, name, wrapper)
 
@@ -224,6 +227,21 @@ def install_probes() -> None:
     timed(report_file.ReportFileWriter, "finish", "reports: header (reporter)", debug_sync=False)
     timed(report_file.DataFile, "reserve", "reports: reserving the data file (reporter, ahead)", debug_sync=False)
     timed(driver_model, "read_new_reports", "driver: read reports", debug_sync=False)
+    timed(driver_model.Model, "_generate", "driver: generate", debug_sync=False)
+    timed(driver_model.Model, "_collect", "driver: collect reports", debug_sync=False)
+
+
+def print_tail() -> None:
+    """What ran between the trace's last forward pass and its results, in ms from that pass's end
+    (calls that ended before it are left out)."""
+    end = LAST_STEP_END[0]
+    if end is None:
+        return
+    tail = sorted((e for e in EVENTS if e[2] > end and e[0] != "driver: read reports" or e[2] - e[1] > 1e-3), key=lambda e: e[1])
+    print("  tail (ms from the last step's end: start..end):")
+    for label, started, ended in tail:
+        if ended > end:
+            print(f"    {1000 * (started - end):8.1f} .. {1000 * (ended - end):8.1f}  {label.strip()}")
 
 
 def _print_profile(profile, top: int, steps: int) -> None:
@@ -360,7 +378,7 @@ def main() -> None:
             interleaver.RESERVE_MIN = reserve_min
             torch.set_num_threads(torch_threads)
             ablated = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
-            TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear()
+            TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear(), EVENTS.clear()
             LAST_STEP_END[0] = None
             segments = _device_segments()
             if args.profile and not warm:
@@ -383,6 +401,7 @@ def main() -> None:
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
             print_steps()
+            print_tail()
             if profile is not None:
                 _print_profile(profile, args.profile, steps)
             for where, count in SYNCS.most_common(10):

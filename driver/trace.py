@@ -91,6 +91,7 @@ def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: 
                     max_save_bytes: int) -> list[bytes | None]:
     """The bytes each intervened invoke's request carries to the workers (None: plain request)."""
     pickled: dict[int, tuple[bytes, str]] = {}  # one pickle per distinct program object
+    pickled_ops: dict[str, bytes] = {}  # and per distinct list of ops (a sweep's steering vector once, not per invoke)
     payloads = []
     for index, inv in enumerate(invokes):
         if not inv.intervened:
@@ -102,13 +103,17 @@ def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: 
                 data = cloudpickle.dumps(inv.program)
                 pickled[id(inv.program)] = (data, hashlib.sha256(data).hexdigest()[:16])
             program_bytes, key = pickled[id(inv.program)]
+        ops_key = "+".join(op["key"] for op in inv.ops)  # ops are data: equal keys, equal ops
+        if ops_key not in pickled_ops:
+            pickled_ops[ops_key] = cloudpickle.dumps(inv.ops)
         payloads.append(cloudpickle.dumps({
             "trace": trace_id,
             "invoke": index,
             "program": program_bytes,
             "program_key": key,
             "batched": bool(getattr(inv.program, "__interlace_batched__", False)),
-            "ops": inv.ops,
+            "ops": pickled_ops[ops_key],
+            "ops_key": ops_key,
             "steps": inv.steps,
             "sink": sink,
             "timeout_s": timeout_s,

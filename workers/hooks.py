@@ -25,7 +25,9 @@ class HookSet:
         # Enclosing modules are hooked too: PyTorch decides whether a module has hooks when the
         # module is called, so a program that asks for mlp.output from inside mlp (after reading
         # mlp.down_proj) is only served if mlp was hooked before it started.
-        key = _family(point)
+        key = hook_of(point)
+        if owner in self._owners.get(key, ()):  # hooked for it already, with its ancestors
+            return
         for k in [key, *((a, "output") for a in _ancestors(point.module))]:
             if k not in self._handles:
                 self._handles[k] = self._install(*k)
@@ -65,7 +67,8 @@ def _ancestors(module: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def _family(point: Point) -> tuple[str, str]:
+def hook_of(point: Point) -> tuple[str, str]:
+    """The (module, family) hook that serves ``point``."""
     if point.kind == "input":
         return (point.module, "input")
     if point.kind in ("logits", "samples"):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from interlace.workers.calls import ProgramCall, error_record
-from interlace.workers.hooks import HookSet
+from interlace.workers.hooks import HookSet, hook_of
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
@@ -39,6 +39,7 @@ from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
 MAILBOX = "@mailbox"  # pseudo-module of the points receivers wait at: Point(MAILBOX, name)
+_KIND_ORDER = {"output": 0, "resid": 1, "final": 2}  # points read from one module's output
 RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see _reserve_ahead)
 
 
@@ -81,11 +82,20 @@ class Scheduled:
     steps: np.ndarray  # its generation step (its last row's)
     prompt_lens: np.ndarray
     replay_until: np.ndarray  # rows before this position recompute rows of before a preemption
+    # Steps of one epoch have the same invokes in the same rows, all decoding, so anything that
+    # depends only on rows (an op's selection, device indices) is computed once per epoch.
+    epoch: int = 0
 
     def pick(self, index: np.ndarray) -> "Scheduled":
         return Scheduled([self.states[i] for i in index.tolist()], self.slots[index], self.req_rows[index],
                          self.starts[index], self.stops[index], self.firsts[index], self.final[index],
-                         self.steps[index], self.prompt_lens[index], self.replay_until[index])
+                         self.steps[index], self.prompt_lens[index], self.replay_until[index], self.epoch)
+
+    def advanced(self) -> "Scheduled":
+        """The next step of the same epoch: every invoke one step further, in the same rows."""
+        lengths = self.stops - self.starts
+        return Scheduled(self.states, self.slots, self.req_rows, self.starts, self.stops, self.firsts + lengths,
+                         self.final, self.steps + lengths, self.prompt_lens, self.replay_until, self.epoch)
 
 
 @dataclass
@@ -145,14 +155,14 @@ class Step:
 
     layout: BatchLayout
     calls: list[tuple[ProgramCall, CallContext]]
-    ops: dict[Point, list[StepOp]]  # ops to apply at each point this step, in order
+    ops: dict[tuple[str, str], list[tuple[Point, StepOp]]]  # by hook (see hooks.hook_of): ops to apply there, in order
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
-    _rows: dict[bytes, Rows] = field(default_factory=dict)
+    _rows: dict[bytes, Rows] = field(default_factory=dict)  # shared by the steps of an epoch
 
     def rows_at(self, rows: np.ndarray, device) -> Rows:
-        """``Rows.at``, once per step for each distinct selection: a sweep saving 4 layers sends
-        one index to the GPU per step, not 4."""
+        """``Rows.at``, once per epoch for each distinct selection: a sweep saving 4 layers sends
+        one index to the GPU when its batch changes, not 4 at every step."""
         key = rows.tobytes()
         if key not in self._rows:
             self._rows[key] = Rows.at(rows, device)
@@ -179,9 +189,13 @@ class Interleaver:
         self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
         self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
+        self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
         self._group_numbers: dict[str, int] = {}  # live program group key -> its number in slots.group
         self._group_counter = itertools.count()
         self.device = next(model.parameters()).device
+        self._last: tuple[BatchLayout, Scheduled] | None = None  # the previous step's, while its epoch may go on
+        self._epochs = itertools.count(1)
+        self._epoch_rows: tuple[int, dict[bytes, Rows]] = (0, {})  # device row indices of the current epoch
 
     @property
     def active(self) -> bool:
@@ -201,16 +215,21 @@ class Interleaver:
             prompt_len=prompt_len,
             program=None,
             group_key=None,
-            ops=payload.get("ops", []),
+            ops=[],
             steps=frozenset(steps) if steps is not None else None,
             sink=payload["sink"],
             timeout_s=payload["timeout_s"],
             max_save_bytes=payload["max_save_bytes"],
         )
         self.invokes[req_id] = state
+        self._last = None  # a new invoke starts a new epoch
         try:
-            for op in state.ops:
-                op["_point"] = self.tree.point(op["point"])
+            if payload["ops_key"] not in self._ops:  # unpickled once per distinct list: shared by a sweep
+                ops = cloudpickle.loads(payload["ops"])
+                for op in ops:
+                    op["_point"] = self.tree.point(op["point"])
+                self._ops[payload["ops_key"]] = ops
+            state.ops = self._ops[payload["ops_key"]]
             if payload.get("program") is not None:
                 key = payload["program_key"]
                 if key not in self._programs:
@@ -232,6 +251,8 @@ class Interleaver:
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
+        if finished:
+            self._last = None
         for state in finished:
             self.hooks.release(owner=state.req_id)
         if finished and self.op_plans:
@@ -249,6 +270,7 @@ class Interleaver:
             self._group_numbers = {key: n for key, n in self._group_numbers.items() if key in live}
         if not self.invokes:
             self._programs.clear()
+            self._ops.clear()
 
     def _report(self, finished: list[InvokeState]) -> None:
         """Hand the finished invokes' reports to the reporter thread, one batch per (sink, trace)."""
@@ -284,12 +306,16 @@ class Interleaver:
         groups, failed = self._program_groups(scheduled)
         if failed:  # prompts a program cannot see whole: no ops for them either
             scheduled = scheduled.pick(np.array([j for j, s in enumerate(scheduled.states) if s.error is None], np.int64))
-        ops: dict[Point, list[StepOp]] = defaultdict(list)
+        ops: dict[tuple[str, str], list[tuple[Point, StepOp]]] = defaultdict(list)
         for plan in self.op_plans.values():  # array arithmetic per op, nothing per invoke
             step_op = plan.for_step(scheduled)
             if step_op is not None:
-                ops[plan.point].append(step_op)
-        self.step = Step(layout, [], ops)
+                ops[hook_of(plan.point)].append((plan.point, step_op))
+        for at_hook in ops.values():  # a module's output ops before its resid and final ones
+            at_hook.sort(key=lambda point_op: _KIND_ORDER.get(point_op[0].kind, 0))
+        if self._epoch_rows[0] != scheduled.epoch:
+            self._epoch_rows = (scheduled.epoch, {})
+        self.step = Step(layout, [], ops, _rows=self._epoch_rows[1])
         carry_in, self.carry_in = self.carry_in, {}
         for group_key, members in groups.items():
             carried = carry_in.get(group_key)
@@ -315,7 +341,21 @@ class Interleaver:
             self._pump(self.step)
 
     def _schedule(self, layout: BatchLayout) -> Scheduled:
-        """This step's live invokes as arrays.
+        """This step's live invokes as arrays: the previous step's advanced by a token when the
+        batch is the same decoding batch (most steps), else built afresh."""
+        last, self._last = self._last, None
+        if last is not None and _continues(last[0], layout) and all(s.error is None for s in last[1].states):
+            scheduled = last[1].advanced()
+            self.slots.next_position[scheduled.slots] = scheduled.firsts + (scheduled.stops - scheduled.starts)
+        else:
+            scheduled = self._schedule_afresh(layout)
+            scheduled.epoch = next(self._epochs)
+        if scheduled.final.all() and (scheduled.firsts >= scheduled.replay_until).all():
+            self._last = (layout, scheduled)  # decoding, nothing replayed: the next step may continue the epoch
+        return scheduled
+
+    def _schedule_afresh(self, layout: BatchLayout) -> Scheduled:
+        """This step's live invokes as arrays, from the layout.
 
         A chunk that starts before the invoke's next position recomputes rows vLLM computed
         before it preempted the request (KV cache pressure). Declarative ops are replayed
@@ -357,6 +397,8 @@ class Interleaver:
         One call per group for the whole scheduler step: a batched sweep's invokes run together
         even when vLLM admitted their prompts in different steps (so their generation steps differ).
         """
+        if not self._group_numbers:  # no live invoke has a program
+            return {}, False
         group = self.slots.group[scheduled.slots]
         runs = group >= 0
         for j in np.flatnonzero(runs & self.slots.some_steps[scheduled.slots]).tolist():
@@ -417,8 +459,8 @@ class Interleaver:
             record = error_record(exc, where=f"interlace internals at {module or family}")
             for call, ctx in step.calls:
                 call.error = call.error or record
-            for step_ops in step.ops.values():
-                for step_op in step_ops:
+            for at_hook in step.ops.values():
+                for _point, step_op in at_hook:
                     for inv in step_op.invokes:
                         inv.fail(record)
             return hooked
@@ -426,11 +468,9 @@ class Interleaver:
     def _dispatch(self, step: Step, module: str, family: str, hooked: Any) -> Any:
         kinds = ("input",) if family == "input" else (("output", "resid", "final") if module else (family,))
         access = PointAccess(hooked, step.layout)
-        for kind in kinds:
-            point = Point(module, kind)
-            for step_op in step.ops.get(point, ()):
-                self._apply_op(step, point, access, step_op)
-        while True:
+        for point, step_op in step.ops.get((module, family), ()):
+            self._apply_op(step, point, access, step_op)
+        while step.calls:
             ready = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.module == module
                      and c.waiting_for.kind in kinds]
             if not ready:
@@ -612,6 +652,13 @@ class Interleaver:
 
 
 # --- helpers --------------------------------------------------------------------------------------
+
+
+def _continues(last: BatchLayout, layout: BatchLayout) -> bool:
+    """Whether ``layout`` is ``last`` one step on: the same requests in the same rows, each
+    starting where it stopped (a decoding batch; a preempted and resumed request does not)."""
+    return (layout.req_ids == last.req_ids and np.array_equal(layout.row_starts, last.row_starts)
+            and np.array_equal(layout.first_positions, last.first_positions + np.diff(last.row_starts)))
 
 
 def _report_of(state: InvokeState, stage: int) -> dict:

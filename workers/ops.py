@@ -40,6 +40,7 @@ class OpPlan:
     op: dict
     members: list = field(default_factory=list)
     _is_member: np.ndarray | None = field(default=None, init=False, repr=False)  # by slot; rebuilt on change
+    _epoch_step: tuple[int, StepOp | None] | None = field(default=None, init=False, repr=False)
 
     @property
     def point(self):
@@ -47,16 +48,25 @@ class OpPlan:
 
     def add(self, state) -> None:
         self.members.append(state)
-        self._is_member = None
+        self._is_member, self._epoch_step = None, None
 
     def drop(self, gone: set[int]) -> None:
         """Forget members whose ``id()`` is in ``gone``."""
         self.members = [m for m in self.members if id(m) not in gone]
-        self._is_member = None
+        self._is_member, self._epoch_step = None, None
 
     def for_step(self, scheduled) -> StepOp | None:
         """This step's rows for the members among ``scheduled`` (the interleaver's Scheduled:
-        this step's live invokes as arrays, in batch order), by array arithmetic."""
+        this step's live invokes as arrays, in batch order), by array arithmetic; once per
+        epoch (same invokes in the same rows) for an op that applies at every step."""
+        if self._epoch_step is not None and self._epoch_step[0] == scheduled.epoch:
+            return self._epoch_step[1]
+        step_op = self._for_step(scheduled)
+        if self.op.get("steps") is None and self.op.get("tokens", "all") in ("all", "last"):  # rows alone decide
+            self._epoch_step = (scheduled.epoch, step_op)
+        return step_op
+
+    def _for_step(self, scheduled) -> StepOp | None:
         if not len(scheduled.slots):
             return None
         size = int(scheduled.slots.max()) + 1
