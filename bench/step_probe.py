@@ -255,6 +255,14 @@ def _print_profile(profile, top: int, steps: int) -> None:
         rows = sorted(((k, v) for k, v in stats.items() if any(w in k[0] for w in ours.split("|"))), key=lambda kv: -kv[1][3])[:top]
     else:
         rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    callers_of = os.environ.get("PROBE_PROFILE_CALLERS")  # e.g. "copy_": who calls functions with that in their name
+    if callers_of:
+        for (file, line, name), (calls, _, own, _, callers) in stats.items():
+            if callers_of in name:
+                print(f"  callers of {name} ({file}:{line}; {1000 * own / steps:.3f} ms/step own, {calls / steps:.1f} calls/step):")
+                for (cfile, cline, cname), caller in sorted(callers.items(), key=lambda kv: -kv[1][2])[:8]:
+                    print(f"    {1000 * caller[2] / steps:7.3f} ms/step {caller[0] / steps:6.1f} calls/step  "
+                          f"{'/'.join(cfile.split('/')[-3:])}:{cline}({cname})")
     print(f"  profile: {sum(v[2] for v in stats.values()) * 1000 / steps:.3f} ms/step of own time in all; the top {top}:")
     for (file, line, name), (calls, _, own, cumulative, _) in rows:
         where = f"{'/'.join(file.split('/')[-3:])}:{line}({name})"

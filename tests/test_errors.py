@@ -51,6 +51,35 @@ def test_failure_of_one_invoke_leaves_the_others_in_its_trace_intact(llama, orac
     assert partial[0].saves["layers.1.resid"].shape[0] == len(ids) + 2
 
 
+def test_an_invoke_failing_mid_generation_leaves_the_others_exact(llama, oracles):
+    # Decode steps reuse the previous step's schedule while the batch only advances; a failure
+    # midway must end that reuse, so the failed invoke's program runs no more and the others' rows stay right.
+    ids = oracles["tiny-llama"].ids(PROMPT)
+
+    def keep(m):
+        m.save("x", m.last(m.layers[1].resid))
+
+    def boom(m):
+        m.save("x", m.last(m.layers[1].resid))
+        if m.step == 3:
+            raise ValueError("bad luck at step 3")
+
+    with pytest.raises(interlace.InterventionError, match="bad luck at step 3") as err:
+        with llama.trace(max_tokens=8, ignore_eos=True) as tr:
+            tr.invoke(ids, program=keep)
+            tr.invoke(ids, program=boom)
+            tr.invoke(ids, ops=[ops.save("layers.1.resid", tokens="last")])
+    assert err.value.invoke == 1 and err.value.record["where"].startswith("step 3")
+    alone = llama.generate(ids, program=keep, max_tokens=8, ignore_eos=True)
+    atol = 1e-4 if not torch.cuda.is_available() else 1e-2
+    partial = err.value.partial
+    assert partial[0].saves["x"].shape[0] == 8  # steps 0..7
+    assert partial[1].saves["x"].shape[0] == 4  # steps 0..3: its program ran no more after failing
+    torch.testing.assert_close(partial[0].saves["x"], alone.saves["x"], atol=atol, rtol=atol)
+    torch.testing.assert_close(partial[2].saves["layers.1.resid"], alone.saves["x"], atol=atol, rtol=atol)
+    _still_serves(llama, oracles)
+
+
 def test_infinite_loop_is_cut_off(llama, oracles):
     def spin(m):
         m.layers[0].resid

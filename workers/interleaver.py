@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
 MAILBOX = "@mailbox"  # pseudo-module of the points receivers wait at: Point(MAILBOX, name)
+_ERROR = operator.attrgetter("error")
 _KIND_ORDER = {"output": 0, "resid": 1, "final": 2}  # points read from one module's output
 RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see _reserve_ahead)
 
@@ -196,6 +198,7 @@ class Interleaver:
         self._last: tuple[BatchLayout, Scheduled] | None = None  # the previous step's, while its epoch may go on
         self._epochs = itertools.count(1)
         self._epoch_rows: tuple[int, dict[bytes, Rows]] = (0, {})  # device row indices of the current epoch
+        self._epoch_groups: tuple[int, dict[str, Scheduled]] | None = None  # this epoch's program groups, last step's
 
     @property
     def active(self) -> bool:
@@ -344,7 +347,7 @@ class Interleaver:
         """This step's live invokes as arrays: the previous step's advanced by a token when the
         batch is the same decoding batch (most steps), else built afresh."""
         last, self._last = self._last, None
-        if last is not None and _continues(last[0], layout) and all(s.error is None for s in last[1].states):
+        if last is not None and _continues(last[0], layout) and not any(map(_ERROR, last[1].states)):
             scheduled = last[1].advanced()
             self.slots.next_position[scheduled.slots] = scheduled.firsts + (scheduled.stops - scheduled.starts)
         else:
@@ -399,9 +402,15 @@ class Interleaver:
         """
         if not self._group_numbers:  # no live invoke has a program
             return {}, False
+        last = self._epoch_groups
+        if last is not None and last[0] == scheduled.epoch:  # the same groups, one step on
+            groups = {key: members.advanced() for key, members in last[1].items()}
+            self._epoch_groups = (scheduled.epoch, groups)
+            return groups, False
         group = self.slots.group[scheduled.slots]
         runs = group >= 0
-        for j in np.flatnonzero(runs & self.slots.some_steps[scheduled.slots]).tolist():
+        some_steps = runs & self.slots.some_steps[scheduled.slots]
+        for j in np.flatnonzero(some_steps).tolist():
             runs[j] = int(scheduled.steps[j]) in scheduled.states[j].steps
         chunked = ~scheduled.final | ((scheduled.steps == 0) & (scheduled.firsts > 0))
         for j in np.flatnonzero(runs & chunked).tolist():
@@ -415,7 +424,11 @@ class Interleaver:
         index = np.flatnonzero(runs & ~chunked)
         index = index[np.lexsort((self.slots.invoke[scheduled.slots[index]], group[index]))]  # by group, then invoke
         groups = np.split(index, np.flatnonzero(np.diff(group[index])) + 1) if len(index) else []
-        return {scheduled.states[g[0]].group_key: scheduled.pick(g) for g in groups}, bool((runs & chunked).any())
+        picked = {scheduled.states[g[0]].group_key: scheduled.pick(g) for g in groups}
+        failed = bool((runs & chunked).any())
+        if not failed and not some_steps.any():  # the groups stay as they are for the epoch
+            self._epoch_groups = (scheduled.epoch, picked)
+        return picked, failed
 
     def end_step(self) -> dict[str, Carried]:
         """Close the step's calls; returns what the next pipeline stage needs to go on."""
@@ -555,9 +568,9 @@ class Interleaver:
         """
         row_bytes = math.prod(value.shape[1:]) * value.element_size()
         used = self.slots.save_used[slots] + (stops - starts) * row_bytes
-        over = np.flatnonzero(used > self.slots.save_limit[slots])
-        if len(over):
-            inv = invokes[int(over[0])]
+        over = used > self.slots.save_limit[slots]
+        if over.any():
+            inv = invokes[int(np.flatnonzero(over)[0])]
             raise MemoryError(
                 f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
                 f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
