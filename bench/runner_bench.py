@@ -11,10 +11,11 @@ generated tokens each, greedy, eager mode (forward hooks need it). Cases:
     prog-steer1-each the steering program unbatched: one program call per invoke per step
 
 Both engines stay up side by side (a plain ``vllm.LLM`` and an interlace model with the same
-settings); every timed interlace run is paired with a plain run just before it on the same new
-prompts, and a case's figure is the median of its paired ratios (interlace tok/s / plain tok/s).
-Pairing cancels the machine's drift, which between separate runs was larger than the effects
-measured. (Until 2026-11-23's eighth session every run reused the same prompts, so plain vLLM and
+settings); every timed interlace run is paired with a plain run right before or after it (the
+order alternates by round, and rounds go over every case) on the same new prompts, and a case's
+figure is the median of its paired ratios (interlace tok/s / plain tok/s). Pairing cancels the
+machine's drift, which between separate runs was larger than the effects measured. (Until
+2026-11-24's tenth session plain always ran first and a case's pairs ran back to back.) (Until 2026-11-23's eighth session every run reused the same prompts, so plain vLLM and
 the `none` case served them from the prefix cache while intervened requests, which bypass it,
 computed every prompt token: an advantage for plain vLLM of about 2 prefill steps per run.)
 
@@ -162,22 +163,30 @@ def main() -> None:
     run_plain(plain, data, args.out)  # warm-ups at full size: kernels compile per batch shape
     run_interlace(model, data, args.out, cases["ops-steer1"])
 
-    table, seeds = [], itertools.count(1)
-    for name in args.cases.split(","):
-        ratios, plain_rates = [], []
-        for _ in range(args.repeats):
+    names = args.cases.split(",")
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    plain_rates: dict[str, list[float]] = {name: [] for name in names}
+    seeds = itertools.count(1)
+    # Round by round over the cases, and within a pair plain first in even rounds and interlace
+    # first in odd ones: the machine's drift then falls on every case alike, and on both engines.
+    for round_ in range(args.repeats):
+        for name in names:
             # New prompts for every pair, the same for both engines: prompts seen before would be
             # served from plain vLLM's prefix cache (an intervened request's prompt never is: its
             # hooks must see every token), which is not the workload of N new prompts.
             fresh = prompts(args.n, args.inp, min(1000, hf.vocab_size), seed=next(seeds))
-            p_seconds, p_tokens = run_plain(plain, fresh, args.out)
+            if round_ % 2 == 0:
+                p_seconds, p_tokens = run_plain(plain, fresh, args.out)
             i_seconds, i_tokens, saved_mib = run_interlace(model, fresh, args.out, cases[name])
-            plain_rates.append(p_tokens / p_seconds)
-            ratios.append((i_tokens / i_seconds) / plain_rates[-1])
-            print(json.dumps({"case": name, "plain_s": round(p_seconds, 3), "interlace_s": round(i_seconds, 3),
-                              "tokens": i_tokens, "ratio": round(ratios[-1], 3), "saved_mib": round(saved_mib, 1)}),
-                  flush=True)
-        table.append((name, statistics.median(plain_rates), statistics.median(ratios), min(ratios), max(ratios)))
+            if round_ % 2 == 1:
+                p_seconds, p_tokens = run_plain(plain, fresh, args.out)
+            plain_rates[name].append(p_tokens / p_seconds)
+            ratios[name].append((i_tokens / i_seconds) / plain_rates[name][-1])
+            print(json.dumps({"case": name, "round": round_, "plain_s": round(p_seconds, 3),
+                              "interlace_s": round(i_seconds, 3), "tokens": i_tokens,
+                              "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1)}), flush=True)
+    table = [(name, statistics.median(plain_rates[name]), statistics.median(ratios[name]), min(ratios[name]),
+              max(ratios[name])) for name in names]
 
     where = f"TP={args.tp} PP={args.pp}, eager, {cfg.dtype}, {cfg.name}"
     print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {where}; {args.repeats} pairs per case")

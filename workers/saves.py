@@ -394,15 +394,16 @@ def _plan(parts: list[tuple[SaveChunk, np.ndarray]], wanted: np.ndarray) -> _Gat
     for chunk, _ in parts:
         if chunk.ready is not None:
             chunk.ready.synchronize()
-    sorter = np.argsort(wanted)
-    owner = np.concatenate([c.owners[m] for c, m in parts])
-    invoke = sorter[np.searchsorted(wanted, owner, sorter=sorter)]
+    index_of = np.zeros(int(wanted.max()) + 1, dtype=np.int64)  # slot -> its index in wanted
+    index_of[wanted] = np.arange(len(wanted))
+    invoke = index_of[np.concatenate([c.owners[m] for c, m in parts])]
     if len({(c.rows.shape[1:], c.rows.dtype) for c, _ in parts}) != 1:
         return _assemble_unlike(parts, invoke)
-    chunk = np.concatenate([np.full(int(m.sum()), i) for i, (_, m) in enumerate(parts)])
+    chunk = np.repeat(np.arange(len(parts)), [np.count_nonzero(m) for _, m in parts])
     start = np.concatenate([c.starts[m] for c, m in parts])
     length = np.concatenate([(c.stops - c.starts)[m] for c, m in parts])
-    order = np.argsort(invoke, kind="stable")  # owner-major; save order within an owner
+    # owner-major, save order within an owner: a stable sort, by radix when the keys fit 16 bits
+    order = np.argsort(invoke.astype(np.int16) if len(wanted) <= np.iinfo(np.int16).max else invoke, kind="stable")
     chunk, start, length, invoke = chunk[order], start[order], length[order], invoke[order]
     # one entry per row, in destination order: its chunk and its row there
     row_chunk = np.repeat(chunk, length)
