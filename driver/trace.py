@@ -129,7 +129,7 @@ def new_trace_id() -> str:
 def check_ops(ops: Iterable[dict], tree) -> None:
     """Refuse ops that name a point the model does not have, before anything is sent."""
     for op in ops:
-        if not isinstance(op, dict) or "op" not in op:
+        if not isinstance(op, dict) or "op" not in op or "key" not in op:  # the key batches equal ops
             raise TypeError(f"ops must be made with interlace.ops (save, add, ...), got {op!r}")
         tree.point(op["point"])
 

@@ -175,6 +175,8 @@ def test_malformed_requests_are_refused_on_the_driver(llama):
         ops.save("layers.1.resid", tokens="first")
     with pytest.raises(ValueError, match="no invokes"):
         llama.trace().run()
+    with pytest.raises(TypeError, match="made with interlace.ops"):  # a hand-made op dict
+        llama.generate(PROMPT, ops=[{"op": "zero", "point": "layers.1.resid"}])
 
 
 def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):
