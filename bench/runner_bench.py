@@ -21,7 +21,11 @@ computed every prompt token: an advantage for plain vLLM of about 2 prefill step
 
 Usage: python bench/runner_bench.py [--n 256] [--in 128] [--out 128] [--tp 1] [--pp 1]
        [--cases a,b] [--repeats 3] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
-Prints one JSON line per pair, then a table.
+       python bench/runner_bench.py --kv-clear [--n 256] [--in 128] [--out 128] [--tiny]
+Prints one JSON line per pair, then a table. ``--kv-clear`` times only what clearing intervened
+requests' KV-cache blocks adds (workers/kv_blocks.py; the steering cases above pay it): the
+per-step look at new blocks over N decoding requests, and clearing N finished requests' blocks
+in KV-cache tensors of the model's shape, on this machine's device.
 """
 
 from __future__ import annotations
@@ -138,6 +142,42 @@ def run_interlace(model, data, out: int, case: dict) -> tuple[float, int, float]
     return seconds, sum(len(r.token_ids) for r in tr.result), saved / 2**20
 
 
+def kv_clear_cost(args) -> None:
+    """Time KVBlocks.update (every step) and KVBlocks.release (once per finished batch)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from interlace.workers.kv_blocks import KVBlocks
+
+    layers, kv_heads, head_dim, block = (4, 1, 64, 128) if args.tiny else (16, 8, 64, 16)
+    blocks_each = -(-(args.inp + args.out) // block)
+    num_blocks = args.n * blocks_each + 1
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    caches = [torch.zeros(2, num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+              for _ in range(layers)]
+    runner = SimpleNamespace(kv_caches=caches, kv_cache_config=SimpleNamespace(num_blocks=num_blocks))
+    req_ids = [f"{i}-r" for i in range(args.n)]
+    step = SimpleNamespace(req_ids=req_ids, resumed_req_ids=set(),  # a decode step: one request in 16 grows
+                           new_block_ids=[([num_blocks - 1],) if i % 16 == 0 else None for i in range(args.n)])
+    timings = {"update per step (ms)": [], "release per finished batch (ms)": []}
+    for _ in range(20):
+        kv = KVBlocks(runner)
+        for i, req_id in enumerate(req_ids):
+            kv.hold(req_id, (list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)),))
+        started = time.perf_counter()
+        kv.update(step)
+        timings["update per step (ms)"].append((time.perf_counter() - started) * 1e3)
+        started = time.perf_counter()
+        kv.release(set(req_ids))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        timings["release per finished batch (ms)"].append((time.perf_counter() - started) * 1e3)
+    print(f"{args.n} requests x {blocks_each} blocks, {layers} KV-cache tensors on {device}:")
+    for name, values in timings.items():
+        print(f"  {name:34} median {statistics.median(values):.3f}  max {max(values):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=256)
@@ -148,7 +188,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per case")
     parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1,prog-save4,prog-steer1,prog-steer1-each")
+    parser.add_argument("--kv-clear", action="store_true", help="time clearing intervened requests' KV blocks only")
     args = parser.parse_args()
+    if args.kv_clear:
+        return kv_clear_cost(args)
 
     import interlace
 

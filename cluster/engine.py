@@ -3,7 +3,8 @@
 Every engine interlace starts goes through :func:`engine_args`, so the settings each platform needs
 live in one place:
 
-- both: eager mode (forward hooks fire only in eager mode), interlace's worker extension (activated
+- both: eager mode (forward hooks fire only in eager mode; settings that compile the model or
+  capture CUDA graphs are refused), interlace's worker extension (activated
   through ``collective_rpc`` once the engine is up) and its gang-admitting scheduler;
 - CPU: an explicit KV cache size (vLLM otherwise sizes it from host memory and fails on a small
   machine) and one OpenMP core binding per rank (the default binding refuses TP/PP);
@@ -61,16 +62,56 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
     kwargs.update(cfg.engine_args)
     kwargs.update(overrides)
+    refuse_graph_settings(kwargs)
     return kwargs
+
+
+# Values of vLLM's compilation settings that leave the model as it is (eager PyTorch).
+_EAGER_MODES = (None, 0, "0", "NONE", "none")
+
+
+def refuse_graph_settings(kwargs: dict[str, Any]) -> None:
+    """Refuse engine settings that would run the forward pass without interlace's hooks.
+
+    Programs and ops run in forward hooks, which fire only in eager mode: under CUDA graphs or
+    ``torch.compile`` every intervention would be skipped without an error. Checked here, before
+    an engine starts, so every engine path (Model, async engines, the cluster) refuses them.
+    """
+    if not kwargs.get("enforce_eager", True):
+        raise ValueError(
+            f"enforce_eager={kwargs['enforce_eager']!r}: interlace runs interventions in forward hooks, "
+            "which CUDA graphs and torch.compile skip (every intervention would be silently lost). "
+            "Leave enforce_eager out (interlace sets True)"
+        )
+    compilation = kwargs.get("compilation_config")
+    if compilation is None:
+        return
+    if isinstance(compilation, (int, str)):  # vLLM's shorthand: a compilation level
+        compilation = {"mode": compilation}
+    get = compilation.get if isinstance(compilation, dict) else lambda k: getattr(compilation, k, None)
+    for key in ("mode", "level", "cudagraph_mode"):
+        value = get(key)
+        if _setting_name(value) not in _EAGER_MODES:
+            raise ValueError(
+                f"compilation_config {key}={value!r}: interlace runs interventions in forward hooks, "
+                "which CUDA graphs and torch.compile skip (every intervention would be silently "
+                f"lost). Remove {key} from compilation_config (interlace runs the model eagerly)"
+            )
+
+
+def _setting_name(value: Any) -> Any:
+    """An enum setting's name (``CompilationMode.NONE`` -> "NONE"), other values as they are."""
+    return getattr(value, "name", value)
 
 
 def prepare_environment(cfg: ModelConfig) -> None:
     """Set the process environment the engine's worker processes inherit."""
     if settings.device() == "cpu":
-        ordered = sorted(os.sched_getaffinity(0))
+        chosen = settings.cpu_cores()  # a cluster replica's own cores (set in its actor's runtime_env)
+        ordered = chosen or sorted(os.sched_getaffinity(0))
         # One core per rank, round-robin: "0|1" for two ranks, "0|1|0|1" for four on two cores.
         binding = "|".join(str(ordered[i % len(ordered)]) for i in range(cfg.world_size))
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding if cfg.world_size > 1 else "auto"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding if cfg.world_size > 1 or chosen else "auto"
     else:
         os.environ.update(_GPU_ENV)
 

@@ -32,21 +32,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from interlace.cluster.config import ModelConfig
-from interlace.cluster.merge import merge_shared
 from interlace import settings as interlace_settings
+from interlace.assembly import ReportWatcher, assemble, build_requests
 from interlace.trace import (
-    InterventionError,
     Invoke,
     InvokeResult,
     TraceResult,
     WorkerDied,
-    check_ops,
+    check_trace,
     encode_payloads,
     new_trace_id,
 )
+from interlace.wire import Completion, Report
 from interlace.workers.points import ModuleTree
-from interlace.workers.scheduler import GANG_KEY, WHOLE_PROMPT_KEY
-from interlace.workers.sink import read_new_reports, writing_reports
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
 _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
@@ -66,6 +64,9 @@ class Model:
         config = config if isinstance(config, ModelConfig) else ModelConfig.load(config)
         fields = {k: overrides.pop(k) for k in list(overrides) if k in ModelConfig.model_fields}
         self.config = ModelConfig.model_validate({**config.model_dump(), **fields}) if fields else config
+        from interlace.cluster.engine import refuse_graph_settings
+
+        refuse_graph_settings({**self.config.engine_args, **overrides})  # here, not when the engine starts
         self.engine_overrides = overrides
         self._engine = None
         self._tree: ModuleTree | None = None
@@ -134,27 +135,11 @@ class Model:
         return tr.result[0]
 
     def _run(self, trace: "Trace") -> TraceResult:
-        from vllm import SamplingParams
-
-        for inv in trace.invokes:
-            check_ops(inv.ops, self.tree)
+        check_trace(trace.invokes, trace.settings, self.tree)
         trace_id = new_trace_id()
-        sink = f"dir:{self._sink_root}"
-        payloads = encode_payloads(trace.invokes, trace_id, sink, trace.timeout_s, trace.max_save_bytes)
-        prompts, params = [], []
-        gang_size = sum(p is not None for p in payloads)
-        for index, (inv, payload) in enumerate(zip(trace.invokes, payloads)):
-            prompt: dict = {"prompt": inv.prompt} if isinstance(inv.prompt, str) else {"prompt_token_ids": list(inv.prompt)}
-            extra = None
-            if payload is not None:
-                # A unique salt keeps prefix caching from skipping this request's prompt tokens,
-                # which its hooks must see; plain requests keep the cache.
-                prompt["cache_salt"] = f"interlace-{trace_id}-{index}"
-                extra = {"interlace": payload, GANG_KEY: [trace_id, index, gang_size]}
-                if inv.program is not None and (inv.steps is None or 0 in inv.steps):
-                    extra[WHOLE_PROMPT_KEY] = True  # the program sees the prompt at once
-            prompts.append(prompt)
-            params.append(SamplingParams(**trace.settings, extra_args=extra))
+        payloads = encode_payloads(trace.invokes, trace_id, f"dir:{self._sink_root}", trace.timeout_s,
+                                   trace.max_save_bytes)
+        prompts, params = build_requests([inv.prompt for inv in trace.invokes], payloads, trace.settings, trace_id)
         with self._lock:
             outputs = self._generate(trace_id, prompts, params)
             if type(self.engine.llm_engine.engine_core).__name__ == "InprocClient":
@@ -162,7 +147,8 @@ class Model:
                 # done, and workers learn which requests finished (and report them) in a step
                 self.engine.llm_engine.step()
         reports = self._collect(trace_id, [i for i, p in enumerate(payloads) if p is not None])
-        return _assemble(trace.invokes, outputs, reports)
+        typed = {i: [Report.from_worker(r) for r in rs] for i, rs in reports.items()}
+        return assemble(trace.invokes, [Completion.from_vllm(out) for out in outputs], typed)
 
     def _generate(self, trace_id: str, prompts: list[dict], params: list) -> list:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -171,11 +157,29 @@ class Model:
             return self.engine.generate(prompts, params, use_tqdm=False)
         except EngineDeadError as exc:
             self._drop_dead_engine()
+            stopped = self._last_words(trace_id)
+            if stopped:  # interlace ended the worker itself (workers/calls.py's last resort)
+                raise WorkerDied(f"trace {trace_id}: {stopped}") from exc
             raise WorkerDied(
                 f"trace {trace_id}: the engine's worker process died while running it (a program "
                 "that crashed the interpreter, or the system killing the process, e.g. for memory). "
                 "This trace's results are lost; the next trace starts a new engine."
             ) from exc
+
+    def _last_words(self, trace_id: str) -> str:
+        """Why a worker ended itself, from the error reports it wrote first (a program that
+        ignored its time limit), or "" when no such report exists."""
+        from interlace.workers.sink import read_new_reports
+
+        try:
+            reports = read_new_reports(self._sink_root / trace_id, set())
+        except Exception:  # noqa: BLE001 - a half-written report: the generic message stands
+            return ""
+        for report in sorted(reports, key=lambda r: r["invoke"]):
+            error = report.get("error") or {}
+            if error.get("type") == "ProgramIgnoredTimeLimit":
+                return f"invoke {report['invoke']} ({error.get('where')}): {error.get('message')}"
+        return ""
 
     def _drop_dead_engine(self) -> None:
         from interlace.cluster.engine import shutdown_engine
@@ -188,24 +192,16 @@ class Model:
 
     def _collect(self, trace_id: str, intervened: list[int]) -> dict[int, list[dict]]:
         """Every intervened invoke's report from every pipeline stage, by invoke."""
-        folder = self._sink_root / trace_id
         wanted = {(i, s) for i in intervened for s in range(self.config.pipeline_parallel_size)}
-        reports: dict[int, list[dict]] = {}
-        seen_files: set[str] = set()
-        deadline = time.monotonic() + _REPORT_GRACE_S
-        while wanted:
-            for report in read_new_reports(folder, seen_files):
-                wanted.discard((report["invoke"], report["stage"]))
-                reports.setdefault(report["invoke"], []).append(report)
-            if not wanted:
-                break
-            if time.monotonic() > deadline:
-                if writing_reports(self._sink_root):  # reports are written in order; one is under way
-                    deadline = time.monotonic() + _REPORT_GRACE_S
-                    continue
-                raise RuntimeError(f"trace {trace_id}: no report from (invoke, stage) {sorted(wanted)} "
-                                   f"within {_REPORT_GRACE_S:.0f}s; a worker may have died")
+        watcher = ReportWatcher(self._sink_root, trace_id, wanted, _REPORT_GRACE_S)
+        watcher.poll()
+        while not watcher.done:
             time.sleep(0.002)
+            watcher.poll()
+        reports: dict[int, list[dict]] = {}
+        for report in watcher.reports:
+            reports.setdefault(report["invoke"], []).append(report)
+        folder = watcher.folder
         shutil.rmtree(folder, ignore_errors=True)
         for invoke_reports in reports.values():
             invoke_reports.sort(key=lambda r: r["stage"])
@@ -213,10 +209,14 @@ class Model:
 
 
 class Trace:
-    """A trace being built: ``with model.trace(...) as tr: tr.invoke(...)``; then ``tr.result``."""
+    """A trace being built: ``with model.trace(...) as tr: tr.invoke(...)``; then ``tr.result``.
 
-    def __init__(self, model: Model, settings: dict, timeout_s: float, max_save_bytes: int):
-        self.model = model
+    Its target runs it: a :class:`Model` (one local engine) or an ``interlace.Cluster``; both
+    build requests and results with :mod:`interlace.assembly`.
+    """
+
+    def __init__(self, target: "Model", settings: dict, timeout_s: float, max_save_bytes: int):
+        self.target = target
         self.settings = settings
         self.timeout_s = timeout_s
         self.max_save_bytes = max_save_bytes
@@ -236,8 +236,12 @@ class Trace:
     def run(self) -> TraceResult:
         if not self.invokes:
             raise ValueError("the trace has no invokes; add one with tr.invoke(prompt, ...)")
-        self.result = self.model._run(self)
+        self.result = self.target._run(self)
         return self.result
+
+    @property
+    def model(self) -> "Model":
+        return self.target
 
     def __enter__(self) -> "Trace":
         return self
@@ -245,33 +249,6 @@ class Trace:
     def __exit__(self, exc_type, *_: Any) -> None:
         if exc_type is None:
             self.run()
-
-
-def _assemble(invokes: list[Invoke], outputs, reports: dict[int, list[dict]]) -> TraceResult:
-    results, contributions, first_error = [], [], None
-    for index, (inv, out) in enumerate(zip(invokes, outputs)):
-        completion = out.outputs[0]
-        saves: dict[str, Any] = {}
-        for report in reports.get(index, []):  # one per pipeline stage, in stage order
-            twice = saves.keys() & report["saves"].keys()
-            if twice and first_error is None:  # their order across steps is lost between stages
-                first_error = (index, {
-                    "type": "ValueError", "where": f"merging pipeline stage {report['stage']}", "traceback": "",
-                    "message": f"saves {sorted(twice)} were made on more than one pipeline stage; "
-                               "give the values saved on different stages different names"})
-            saves.update(report["saves"])
-            contributions += [(index, name, how, value) for name, how, value in report["shared"]]
-            if report["error"] is not None and first_error is None:
-                first_error = (index, report["error"])
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)]
-        results.append(InvokeResult(inv.prompt, list(completion.token_ids), completion.text, saves, logprobs))
-    result = TraceResult(results, {})
-    if first_error is not None:
-        raise InterventionError(first_error[0], first_error[1], partial=result)
-    result.shared = merge_shared(contributions)
-    return result
 
 
 def _fast_tmp() -> str | None:

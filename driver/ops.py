@@ -9,10 +9,13 @@ across invokes: the form for untrusted users and for speed.
     >>> keep = ops.save("layers.2.resid", tokens="last", steps=[0])   # the prompt's last token
     >>> ablate = ops.zero("layers.1.mlp.output", tokens=[3, 4])       # positions 3 and 4
 
-Points: ``"<module path>.output"``, ``".input"``, ``"layers.<i>.resid"`` (residual stream after a
-layer), ``"embeddings"``, ``"final"`` (final norm output), ``"logits"``. ``tokens``: ``"all"``,
-``"last"`` (the prompt's last token at step 0, the new token after), or a list of positions.
-``steps``: None for every step, or a list of steps (0 is the prompt).
+Points: ``"<module path>.output"`` (of a tuple, its first element: ``out`` of a linear layer's
+``(out, bias)``), ``".input"``, ``"layers.<i>.resid"`` (residual stream after a layer; a layer's
+own ``.output`` is refused), ``"embeddings"``, ``"final"`` (final norm output), ``"logits"``.
+``tokens``: ``"all"``, ``"last"`` (the prompt's last token at step 0, the new token after), or a
+list of positions. ``steps``: None for every step, or a list of steps (0 is the prompt). An op
+that selects nothing in its invoke's generation is an error. An invoke's ops at one module apply
+in the order listed.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
     INTERLACE_DEVICE_SAVES_GIB  GPU memory (GiB) a worker rank may keep saved rows in until they
                          are reported (default 2; at most half the memory free at the first save);
                          past it, saves are copied to pinned host memory as they are made
+    INTERLACE_CPU_CORES  CPU engines: the cores an engine's ranks are bound to, round-robin
+                         ("0", "2,3"); default: every core the process may use. A cluster sets it
+                         per replica through the replica actor's runtime_env.
 """
 
 from __future__ import annotations
@@ -33,3 +36,8 @@ def trace_timeout_s() -> float:
 
 def device_saves_bytes() -> int:
     return int(float(os.environ.get("INTERLACE_DEVICE_SAVES_GIB", "2")) * 2**30)
+
+
+def cpu_cores() -> list[int] | None:
+    cores = os.environ.get("INTERLACE_CPU_CORES")
+    return [int(c) for c in cores.split(",")] if cores else None

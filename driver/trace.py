@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
+from interlace.wire import InvokePayload
+
 
 
 def batched(program: Callable) -> Callable:
@@ -53,6 +55,20 @@ class InvokeResult:
     saves: dict[str, Any]
     logprobs: list[float] | None = None  # log-probability of each generated token
 
+    def __post_init__(self):
+        self.saves = Saves(self.saves)
+
+
+class Saves(dict):
+    """An invoke's saves by name; a name never saved is a KeyError that lists the names saved."""
+
+    def __missing__(self, name: str) -> Any:
+        raise KeyError(
+            f"no save named {name!r}; this invoke saved {sorted(self)}. A save the program makes "
+            "only under a condition (e.g. `if m.step == 50:`) is missing when the condition never "
+            "held: steps run from 0 to max_tokens - 1, and generation may stop earlier (EOS, stop)"
+        )
+
 
 @dataclass
 class TraceResult:
@@ -88,11 +104,12 @@ class WorkerDied(RuntimeError):
 
 
 def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: float,
-                    max_save_bytes: int) -> list[bytes | None]:
-    """The bytes each intervened invoke's request carries to the workers (None: plain request)."""
+                    max_save_bytes: int) -> list[InvokePayload | None]:
+    """What each intervened invoke's request carries to the workers (None: plain request);
+    ``payload_bytes`` turns one into the bytes its request holds."""
     pickled: dict[int, tuple[bytes, str]] = {}  # one pickle per distinct program object
     pickled_ops: dict[str, bytes] = {}  # and per distinct list of ops (a sweep's steering vector once, not per invoke)
-    payloads = []
+    payloads: list[InvokePayload | None] = []
     for index, inv in enumerate(invokes):
         if not inv.intervened:
             payloads.append(None)
@@ -106,30 +123,45 @@ def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: 
         ops_key = "+".join(op["key"] for op in inv.ops)  # ops are data: equal keys, equal ops
         if ops_key not in pickled_ops:
             pickled_ops[ops_key] = cloudpickle.dumps(inv.ops)
-        payloads.append(cloudpickle.dumps({
-            "trace": trace_id,
-            "invoke": index,
-            "program": program_bytes,
-            "program_key": key,
-            "batched": bool(getattr(inv.program, "__interlace_batched__", False)),
-            "ops": pickled_ops[ops_key],
-            "ops_key": ops_key,
-            "steps": inv.steps,
-            "sink": sink,
-            "timeout_s": timeout_s,
-            "max_save_bytes": max_save_bytes,
-        }))
+        payloads.append(InvokePayload(
+            trace=trace_id, invoke=index, program=program_bytes, program_key=key,
+            batched=bool(getattr(inv.program, "__interlace_batched__", False)),
+            ops=pickled_ops[ops_key], ops_key=ops_key, steps=inv.steps, sink=sink,
+            timeout_s=timeout_s, max_save_bytes=max_save_bytes))
     return payloads
+
+
+def payload_bytes(payload: InvokePayload) -> bytes:
+    """The bytes an intervened request carries in ``extra_args`` (read by workers/interleaver.py)."""
+    return cloudpickle.dumps(payload.to_worker())
 
 
 def new_trace_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def check_ops(ops: Iterable[dict], tree) -> None:
-    """Refuse ops that name a point the model does not have, before anything is sent."""
+def check_trace(invokes: list[Invoke], settings: dict, tree) -> None:
+    """Every check a target makes before it sends a trace anywhere (``Model`` and ``Cluster``
+    both call this, so a trace one refuses the other refuses too)."""
+    if not invokes:
+        raise ValueError("the trace has no invokes; add one with tr.invoke(prompt, ...)")
+    for inv in invokes:
+        check_ops(inv.ops, tree, settings.get("max_tokens"))
+
+
+def check_ops(ops: Iterable[dict], tree, max_tokens: int | None = None) -> None:
+    """Refuse, before anything is sent, ops that name a point the model does not have (or one an
+    op cannot act on), or steps that never run: a trace of ``max_tokens`` runs steps 0 to
+    ``max_tokens - 1``. (Positions past the generation are found by the workers.)"""
     for op in ops:
         if not isinstance(op, dict) or "op" not in op or "key" not in op:  # the key batches equal ops
             raise TypeError(f"ops must be made with interlace.ops (save, add, ...), got {op!r}")
-        tree.point(op["point"])
+        tree.op_point(op["point"])
+        never = [s for s in op.get("steps") or () if max_tokens is not None and not 0 <= s < max_tokens]
+        if never:
+            raise ValueError(
+                f"op {op['op']} at {op['point']}: steps {never} never run in a trace with "
+                f"max_tokens={max_tokens} (steps 0-{max_tokens - 1}; 0 is the prompt); raise max_tokens "
+                "or select steps that run"
+            )
 

@@ -135,6 +135,25 @@ def test_write_of_wrong_shape_or_dtype_is_refused(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_parameters_are_read_only(llama, oracles):
+    # Every request shares the weights: an in-place edit of one would change every later request.
+    ids = oracles["tiny-llama"].ids("Weights are shared by")
+    before = llama.generate(ids, max_tokens=4, ignore_eos=True).token_ids
+    edits = {
+        "in place": lambda m: m.layers[0].input_layernorm.weight.mul_(0),
+        "through a view": lambda m: m.layers[0].input_layernorm.weight[:8].zero_(),
+        "detached": lambda m: m.embed_tokens.weight.detach()[5].fill_(1.0),
+        "assigned rows": lambda m: m.embed_tokens.weight.__setitem__(slice(0, 4), 0.0),
+    }
+    for how, program in edits.items():
+        with pytest.raises(interlace.InterventionError, match="parameters are read-only"):
+            llama.generate(ids, program=program, max_tokens=2)
+    copy = llama.generate(ids, program=lambda m: m.save("w", m.layers[0].input_layernorm.weight.clone().mul_(2)))
+    assert torch.equal(copy.saves["w"], 2 * oracles["tiny-llama"].layers[0].input_layernorm.weight)
+    assert llama.generate(ids, max_tokens=4, ignore_eos=True).token_ids == before
+    _still_serves(llama, oracles)
+
+
 def test_huge_saves_are_refused(llama, oracles):
     with pytest.raises(interlace.InterventionError, match="exceed the limit"):
         with llama.trace(max_tokens=4, max_save_bytes=4096) as tr:

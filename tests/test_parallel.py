@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism on CPU (multiprocessing backend), against transformers.
 
-Every fidelity test of tests/test_interventions.py is collected again in this module and runs
+Every fidelity test of tests/test_interventions.py and every test of tests/test_waits.py and
+tests/test_ops_order.py is collected again in this module and runs
 unchanged against TP=2, PP=2 and TP=2 x PP=2 engines of the tiny Llama: the fixtures below stand
 in for the single-rank engines. The tests after them cover what only parallelism has: values vLLM
 splits across TP ranks seen whole, parameters seen whole, a program that reads on one pipeline
@@ -17,6 +18,13 @@ import torch
 import interlace
 from test_interventions import *  # noqa: F403 - the runner's fidelity tests, collected again here
 from test_interventions import ATOL, PROMPT
+from test_waits import *  # noqa: F403 - writes after waits, collected again here
+from test_ops_order import *  # noqa: F403 - ops' order among shared ops, tuple outputs, empty selections
+from test_isolation import (  # noqa: F401 - bad writes never reach other requests, collected again here
+    _next_trace_is_exact,
+    test_forced_tokens_outside_the_vocabulary_fail_that_invoke_and_the_engine_serves,
+    test_non_finite_writes_never_reach_other_requests,
+)
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 # vLLM's executor for the ranks: "mp" (one host) or "ray" (what multi-node deployments use; the
@@ -227,3 +235,35 @@ def test_deferred_reductions_are_read_whole_or_refused(llama, oracles, layout):
     finally:
         defer(False)
     assert llama.generate(ids, max_tokens=4, ignore_eos=True).token_ids == oracle.greedy(ids, 4)
+
+
+def test_time_limits_are_decided_alike_on_every_rank(llama, oracles, layout):
+    """Each TP rank used to enforce a program's time limit on its own clock: a program whose
+    limit ran out just before it read a value TP gathers was stopped on one rank while the other
+    entered the gather, and the group hung. Programs here spin to around their limit and then
+    read (and write) such a value; every trace finishes or fails on the time limit, alike on
+    every rank, and the engine serves on exactly."""
+    import time
+
+    if layout[0] == 1:
+        pytest.skip("tensor parallelism only")
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+    limit = 0.05
+    outcomes = set()
+    for i in range(40):
+        def program(m, spin=limit * (0.8 + 0.4 * (i % 9) / 8)):
+            end = time.monotonic() + spin
+            while time.monotonic() < end:
+                pass
+            x = m.layers[1].mlp.down_proj.input  # split across the TP ranks: gathered whole
+            m.layers[1].mlp.down_proj.input = x
+
+        try:
+            llama.generate(ids, program=program, max_tokens=1, timeout_s=limit)
+            outcomes.add("finished")
+        except interlace.InterventionError as err:
+            assert "time limit" in str(err)
+            outcomes.add("timed out")
+    assert outcomes == {"finished", "timed out"}
+    _next_trace_is_exact(llama, oracle)

@@ -11,14 +11,30 @@ stream and in its inference mode, with nothing to set up.
 
 The engine side never lets a user exception or a hang through: errors are captured as records
 with the user's traceback, and a program that overruns its time budget is interrupted by the
-:class:`Watchdog` (an exception raised inside the program) and its invokes fail. A program blocked
-inside one call into C (``time.sleep``, a blocking read) holds the engine until that call returns;
-the interruption lands then.
+:class:`Watchdog` (an exception raised inside the program) and its invokes fail.
+
+A program can refuse to stop: it may catch the interruption (``except BaseException``) and go on,
+or sit inside one long call into C (``time.sleep``), where no exception lands. Its thread is the
+engine's, so nothing else can run while it does. :data:`GRACE_S` after its deadline the watchdog
+ends the worker process, after writing the reason into the invokes' reports: the engine dies at
+once (not when vLLM's own time-outs fire, minutes later), the driver's error names the program
+that ignored its time limit, and the next trace starts a new engine.
+
+Under tensor parallelism every rank runs the same program on the same values, and some of its
+accesses enter a collective (a value split across ranks is gathered whole). A rank that stopped
+a program on its own clock would skip a collective the other ranks enter, and the group would
+hang. So with ``local_limits=False`` (TP > 1) no rank acts on its own clock within a step: the
+ranks agree on each call's time at the step's end (Interleaver._agree_on_time, one small all-
+reduce over the TP group's CPU group per step), a program past its limit is stopped there, and a
+budget spent in an earlier step stops it at its start, identically on every rank. Within a step
+only the last resort acts alone, and it ends the process (every rank's program is past its
+deadline by then; the group dies together instead of hanging).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 import traceback
@@ -30,8 +46,13 @@ import torch
 from interlace.workers.points import Point
 
 
-class ProgramError(Exception):
-    """Raised inside a program to stop it (timeout, engine-side refusal)."""
+class ProgramError(BaseException):
+    """Raised inside a program to stop it (timeout, engine-side refusal). A BaseException, so a
+    program's ``except Exception`` does not swallow it."""
+
+
+GRACE_S = 3.0  # past its deadline, a program that is still running ends its worker process
+EXIT_CODE = 75  # the worker's exit status then (EX_TEMPFAIL), for whoever reads the process table
 
 
 class Suspended(ProgramError):
@@ -59,8 +80,10 @@ class ProgramCall:
     """One program run over one step; the engine drives it with :meth:`start` and :meth:`resume`."""
 
     def __init__(self, program: Callable, view, budget_s: float, limit_s: float, replay: list | None = None,
-                 keep_log: bool = False):
+                 keep_log: bool = False, local_limits: bool = True):
         self.program = program
+        # False under TP > 1: time-outs are decided at points every rank agrees on (module docstring)
+        self.local_limits = local_limits
         self.view = view
         self.budget_s = budget_s  # program running time left to the trace
         self.limit_s = limit_s  # the trace's whole time limit (for the message)
@@ -71,6 +94,7 @@ class ProgramCall:
         self.log: list | None = [] if keep_log else None
         self._accesses = 0
         self.used_s = 0.0  # time the program ran in this call (engine time not counted)
+        self.agreed_s = 0.0  # under TP: the most any rank of the group counted (see Interleaver._agree_on_time)
         self.waiting_for: Point | _Finished | None = None  # what the program needs next
         self.error: dict | None = None
         self.timed_out = False  # past its budget (set by the watchdog, or by the engine between switches)
@@ -109,7 +133,7 @@ class ProgramCall:
         :class:`ProgramError` handed in is raised at the program's point)."""
         if self.done:
             return
-        if self.used_s >= self.budget_s:
+        if self.used_s >= self.budget_s if self.local_limits else self.budget_s <= 0:
             self._time_out()
             return
         self._engine = greenlet.getcurrent()
@@ -122,7 +146,12 @@ class ProgramCall:
         finally:
             WATCHDOG.leave(self)
             self.used_s += time.monotonic() - started
-        if self.timed_out or self.used_s >= self.budget_s:  # interrupted, or finished past the limit
+        if self.local_limits and (self.timed_out or self.used_s >= self.budget_s):  # interrupted, or finished past the limit
+            self._time_out()
+
+    def time_out(self) -> None:
+        """Stop the program now, as past its time limit (the TP group agreed it is)."""
+        if not (self.done and self.timed_out):
             self._time_out()
 
     def _time_out(self) -> None:
@@ -222,12 +251,42 @@ class Watchdog:
             now = time.monotonic()
             with self._lock:
                 for thread, (call, deadline) in self._running.items():
-                    if now > deadline and call.running:
+                    if now > deadline + GRACE_S and call.running:
+                        _end_process(call, now - deadline)
+                    if now > deadline and call.running and call.local_limits:
                         call.timed_out = True
                         _raise_in(thread, ProgramError)
 
 
 WATCHDOG = Watchdog()
+
+
+def _end_process(call: ProgramCall, late_s: float) -> None:
+    """The last resort for a program that does not stop: record why, then end this process.
+
+    Its thread is the engine's; while it runs, nothing else in the engine can. The record goes
+    where the invokes' reports go (``last_words`` of the interleaver serving the call), so the
+    driver can say which program it was and what happened."""
+    record = {
+        "type": "ProgramIgnoredTimeLimit",
+        "message": (
+            f"the program was still running {late_s:.1f}s past the trace's time limit of {call.limit_s:g}s "
+            "(it caught the interruption, e.g. with `except BaseException`, or sat in one long call "
+            "into C), so interlace ended the engine's worker process to stop it; the trace is lost "
+            "and the next one starts a new engine. Let ProgramError propagate (catch Exception, "
+            "not BaseException) and keep blocking calls short"
+        ),
+        "where": call.view.where() if hasattr(call.view, "where") else "",
+        "traceback": "",
+    }
+    try:
+        last_words = getattr(getattr(call.view, "_ctx", None), "services", None)
+        if last_words is not None and hasattr(last_words, "last_words"):
+            last_words.last_words(call.view._ctx, record)
+    except BaseException:  # noqa: BLE001 - the process ends either way
+        pass
+    finally:
+        os._exit(EXIT_CODE)
 
 
 def _raise_in(thread_id: int, exc_type: type[BaseException] | None) -> None:

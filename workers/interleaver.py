@@ -19,19 +19,21 @@ import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 import numpy as np
 import torch
 
 from interlace.workers.calls import ProgramCall, error_record
-from interlace.workers.hooks import HookSet, hook_of
+from interlace.workers.hooks import HookSet
+from interlace.workers.holds import Held, Holdings, versions
 from interlace.workers.layout import BatchLayout
-from interlace.workers.ops import OpPlan, StepOp, apply as apply_op
+from interlace.workers.ops import OpOrder, StepOp, applied_bit, apply as apply_op, selected_nothing
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
-from interlace.workers.points import ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, device_index, short_name
+from interlace.workers.points import MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, device_index, short_name
 from interlace.workers.reporter import Reporter
+from interlace.workers.readonly import ReadOnlyTensor
 from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, host_copy
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
@@ -39,9 +41,7 @@ from interlace.workers.slots import SlotTable
 from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
-MAILBOX = "@mailbox"  # pseudo-module of the points receivers wait at: Point(MAILBOX, name)
 _ERROR = operator.attrgetter("error")
-_KIND_ORDER = {"output": 0, "resid": 1, "final": 2}  # points read from one module's output
 RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see _reserve_ahead)
 
 
@@ -116,6 +116,7 @@ class CallContext:
         self.num_rows = int(self.lengths.sum())
         self.local_stops = np.cumsum(self.lengths)  # invoke j's rows of the values this call reads
         self.local_starts = self.local_stops - self.lengths
+        self.holds = Holdings()  # what the program read this step, and whether it may still write it
 
     # Built only when asked for (a sweep's call would otherwise build 256 of each per step)
 
@@ -172,6 +173,11 @@ class Step:
 
 
 class Interleaver:
+    vocab_size = 1 << 62  # set by the runner adapter: forced samples must lie in [0, vocab_size)
+    # Set by the runner adapter under TP > 1: the element-wise max of an array over the TP group.
+    # Time-outs are then decided where every rank agrees (see calls.py and _agree_on_time).
+    agree_max: Callable[[np.ndarray], np.ndarray] | None = None
+
     def __init__(self, model: torch.nn.Module, samples_slot, rank_info: dict, all_modules: list[str],
                  hidden_size: int):
         """``all_modules``: module names of the whole model (every pipeline stage's, so programs
@@ -184,7 +190,7 @@ class Interleaver:
         self.step: Step | None = None
         self.carry_in: dict[str, Carried] = {}  # from the previous pipeline stage, this step
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
-        self.op_plans: dict[tuple[str, str], OpPlan] = {}  # (trace, op key) -> the op and its invokes
+        self.op_plans = OpOrder()  # the live invokes' ops as plans, by hook, each invoke's in its order
         self.ledger = SaveLedger()
         self.reporter = Reporter()
         self.slots = SlotTable()
@@ -230,7 +236,7 @@ class Interleaver:
             if payload["ops_key"] not in self._ops:  # unpickled once per distinct list: shared by a sweep
                 ops = cloudpickle.loads(payload["ops"])
                 for op in ops:
-                    op["_point"] = self.tree.point(op["point"])
+                    op["_point"] = self.tree.op_point(op["point"])
                 self._ops[payload["ops_key"]] = ops
             state.ops = self._ops[payload["ops_key"]]
             if payload.get("program") is not None:
@@ -244,13 +250,13 @@ class Interleaver:
                 self.slots.group[state.slot] = self._group_numbers[state.group_key]
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
             state.fail(error_record(exc, where="loading the invoke's program and ops"))
-        for op in state.ops:
-            if "_point" in op and self.stages.where(op["_point"]) == HERE:  # other stages apply theirs
+        here = lambda point: self.stages.where(point) == HERE  # noqa: E731 - other stages apply theirs
+        for index, op in enumerate(state.ops):
+            if "_point" in op and here(op["_point"]):
                 self.hooks.want(op["_point"], owner=req_id)
-                key = (state.trace, op.get("key", str(id(op))))  # a plan's saves belong to one trace
-                if key not in self.op_plans:
-                    self.op_plans[key] = OpPlan(_op_on_device(op, self.device))
-                self.op_plans[key].add(state)
+                self.slots.ops_expected[state.slot] |= applied_bit(index)  # checked when it finishes
+        # plans in an order that keeps every invoke's own (a plan's saves belong to one trace)
+        self.op_plans.add(state, state.ops, prepare=lambda op: _op_on_device(op, self.device), here=here)
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
@@ -259,11 +265,11 @@ class Interleaver:
         for state in finished:
             self.hooks.release(owner=state.req_id)
         if finished and self.op_plans:
-            gone = {id(state) for state in finished}
-            for key, plan in list(self.op_plans.items()):
-                plan.drop(gone)
-                if not plan.members:
-                    del self.op_plans[key]
+            self.op_plans.drop({id(state) for state in finished})
+            self._fail_unapplied_ops(finished)
+        for state in finished:
+            if state.steps is not None and state.program is not None and state.error is None:
+                self._check_steps_ran(state)
         if finished and self.rank["tp_rank"] == 0:  # one report per TP group; every PP stage reports
             self._report(finished)
         for state in finished:  # after the report: the ledger has let go of the slot's rows
@@ -274,6 +280,33 @@ class Interleaver:
         if not self.invokes:
             self._programs.clear()
             self._ops.clear()
+
+    def _fail_unapplied_ops(self, finished: list[InvokeState]) -> None:
+        """Fail an invoke one of whose ops (on this stage) selected no row over its whole
+        generation, e.g. positions past its end: a silent no-op would pass for an intervention
+        that changed nothing. Array arithmetic over the finished slots; Python only for failures."""
+        slots = np.fromiter((state.slot for state in finished), np.int64, len(finished))
+        table = self.slots
+        missing = table.ops_expected[slots] & ~table.ops_applied[slots]
+        ran = table.next_position[slots] >= table.prompt_len[slots]  # not aborted before its prompt ran
+        for j in np.flatnonzero((missing != 0) & ran).tolist():
+            state = finished[j]
+            index = (int(missing[j]) & -int(missing[j])).bit_length() - 1  # its first op that never applied
+            op = state.ops[index]
+            state.fail(error_record(ValueError(selected_nothing(op, state.prompt_len, int(table.next_position[state.slot]))),
+                                    where=f"op {op['op']} at {op['point']}"))
+
+    def _check_steps_ran(self, state: InvokeState) -> None:
+        """Fail an invoke whose program was given steps that never ran (generation ended before
+        them): its results would silently lack what those steps were to do."""
+        last = int(self.slots.next_position[state.slot]) - state.prompt_len  # the last step run
+        missed = sorted(step for step in state.steps if step > last)
+        if missed:
+            ran = f"steps 0 to {last} ran" if last >= 0 else "no step ran"
+            state.fail(error_record(RuntimeError(
+                f"the program was given steps={sorted(state.steps)}, but generation ended before "
+                f"steps {missed} ({ran}: max_tokens, EOS or a stop string ended it), so the program "
+                "never ran there; ask for steps below max_tokens, or pass ignore_eos=True"), where="end of generation"))
 
     def _report(self, finished: list[InvokeState]) -> None:
         """Hand the finished invokes' reports to the reporter thread, one batch per (sink, trace)."""
@@ -310,16 +343,20 @@ class Interleaver:
         if failed:  # prompts a program cannot see whole: no ops for them either
             scheduled = scheduled.pick(np.array([j for j, s in enumerate(scheduled.states) if s.error is None], np.int64))
         ops: dict[tuple[str, str], list[tuple[Point, StepOp]]] = defaultdict(list)
-        for plan in self.op_plans.values():  # array arithmetic per op, nothing per invoke
-            step_op = plan.for_step(scheduled)
-            if step_op is not None:
-                ops[hook_of(plan.point)].append((plan.point, step_op))
-        for at_hook in ops.values():  # a module's output ops before its resid and final ones
-            at_hook.sort(key=lambda point_op: _KIND_ORDER.get(point_op[0].kind, 0))
+        applied = self.slots.ops_applied
+        for hook, plans in self.op_plans.by_hook.items():  # array arithmetic per op, nothing per invoke
+            for plan in plans:  # in an order that keeps every invoke's own (see OpOrder)
+                step_op = plan.for_step(scheduled)
+                if step_op is not None:
+                    ops[hook].append((plan.point, step_op))
+                    applied[step_op.slots] |= step_op.bits
         if self._epoch_rows[0] != scheduled.epoch:
             self._epoch_rows = (scheduled.epoch, {})
         self.step = Step(layout, [], ops, _rows=self._epoch_rows[1])
         carry_in, self.carry_in = self.carry_in, {}
+        mail = carry_in.pop(MAILBOX, None)  # sent on earlier stages: a receiver may wait for it here
+        if mail is not None:
+            self.step.mailbox.update({(trace, name): value for trace, name, value in mail.values})
         for group_key, members in groups.items():
             carried = carry_in.get(group_key)
             if carried is not None and carried.status != "suspended":
@@ -334,7 +371,7 @@ class Interleaver:
             view = ProgramView(ctx)
             call = ProgramCall(members.states[0].program, view, budget_s=ctx.timeout_s,
                                limit_s=members.states[0].timeout_s, replay=carried.values if carried is not None else None,
-                               keep_log=not self.stages.last)
+                               keep_log=not self.stages.last, local_limits=self.agree_max is None)
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
@@ -435,7 +472,11 @@ class Interleaver:
         step = self.step
         if step is None:
             return {}
+        if self.agree_max is not None and step.calls:
+            self._agree_on_time(step.calls)
         for call, ctx in step.calls:
+            if ctx.holds.late:  # a program stopped or suspended here may have edited one still
+                self._refuse_late_edits(call, ctx)
             if not call.done and self._goes_on_later(call):
                 log = call.log
                 call.suspend()
@@ -448,6 +489,8 @@ class Interleaver:
                 if not self.stages.last:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
             self._close_call(call, ctx)
+        if step.mailbox and not self.stages.last:  # for receivers that wait on a later stage
+            step.carry[MAILBOX] = Carried("mailbox", [(trace, name, value) for (trace, name), value in step.mailbox.items()])
         self.step = None
         return step.carry
 
@@ -483,28 +526,34 @@ class Interleaver:
         access = PointAccess(hooked, step.layout)
         for point, step_op in step.ops.get((module, family), ()):
             self._apply_op(step, point, access, step_op)
-        while step.calls:
-            ready = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.module == module
-                     and c.waiting_for.kind in kinds]
-            if not ready:
-                break
-            for call, ctx in ready:
-                if call.waiting_for.module == module and call.waiting_for.kind in kinds and not call.done:
-                    self._deliver(call, ctx, call.waiting_for, access)
-                    self._pump(step)
+        delivered: list[tuple[ProgramCall, CallContext]] = []
+        try:
+            while step.calls:
+                ready = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.module == module
+                         and c.waiting_for.kind in kinds]
+                if not ready:
+                    break
+                for call, ctx in ready:
+                    if call.waiting_for.module == module and call.waiting_for.kind in kinds and not call.done:
+                        delivered.append((call, ctx))
+                        self._deliver(call, ctx, call.waiting_for, access)
+                        self._pump(step)
+        finally:  # the hook returns: from here on, writes to what it handed out would be lost
+            for call, ctx in delivered:
+                ctx.holds.close(None if call.done else call.waiting_for, call.done)
         return access.result()
 
     def _apply_op(self, step: Step, point: Point, access: PointAccess, step_op: StepOp) -> None:
         op = step_op.op
         rows = step.rows_at(step_op.rows, access.device)
         split = self.tp.split(point.module, point.kind)
-        try:
-            value = _gather(split, access.read(point, rows))
+        try:  # on one tensor: a tuple output's first (vLLM's linear layers return (out, bias))
+            value = _gather(split, access.read_tensor(point, rows))
             if op["op"] == "save":
                 self._save_rows(step_op.invokes, step_op.slots, op.get("name") or op["point"], value,
                                 step_op.starts, step_op.stops, fresh=split is not None or access.is_copy(point, rows))
             else:
-                access.write(point, rows, _local(split, apply_op(op, value)))
+                access.write_tensor(point, rows, _local(split, apply_op(op, value)))
         except Exception as exc:  # noqa: BLE001
             for inv in step_op.invokes:
                 inv.fail(error_record(exc, where=f"op {op['op']} at {point}"))
@@ -513,36 +562,110 @@ class Interleaver:
         split = self.tp.split(point.module, point.kind)
         try:
             rows = self._rows_for(point, ctx)
-            value = _gather(split, access.read(point, rows))
+            value = access.read(point, rows)
+            if split is not None:
+                with torch.inference_mode(False):  # a normal tensor: its version counter shows edits
+                    value = _gather(split, value)
         except Exception as exc:  # noqa: BLE001 - e.g. resid on a module that is not a layer
             call.cancel(f"cannot read {point}: {exc}")
             return
-        version = value._version if isinstance(value, torch.Tensor) and not value.is_inference() else None
+        copy = split is not None or access.is_copy(point, rows)
+        ctx.holds.live.append(Held(point, value, versions(value), access, rows, split, copy))
         call.resume(value)
-        write = call.view._take_write() if call.view._current == point else None
-        try:
-            if write is not None:
-                access.write(point, rows, _local(split, write))
-            elif split is not None or (access.is_copy(point, rows) and _maybe_edited(value, version)):
-                access.write(point, rows, _local(split, value))  # the program edited its copy in place
-        except Exception as exc:  # noqa: BLE001
-            call.error = call.error or error_record(exc, where=f"writing {point}")
         self._after_resume(call, ctx)
 
     def _rows_for(self, point: Point, ctx: CallContext) -> Rows:
         return ctx.request_rows if point.kind in ROW_PER_REQUEST_KINDS else ctx.token_rows
 
     def _after_resume(self, call: ProgramCall, ctx: CallContext) -> None:
+        if ctx.holds.live or call.view._pending_write is not None:
+            self._write_back(call, ctx)
+        if ctx.holds.late:
+            self._refuse_late_edits(call, ctx)
         point = call.waiting_for
         if not call.done and point.module != MAILBOX and self.stages.where(point) == HERE:
             self.hooks.want(point, owner=ctx.invokes[0].req_id)
+
+    def _write_back(self, call: ProgramCall, ctx: CallContext) -> None:
+        """After the program ran: write what it changed of the values whose hook runs now, its
+        copies edited in place and then its assignment, however many times it waited since it
+        read them (e.g. a receiver woken at this hook by the sender's send)."""
+        try:
+            for held in ctx.holds.live:
+                if held.copy:
+                    now = versions(held.value)
+                    if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
+                        held.access.write(held.point, held.rows, _local(held.split, held.value))
+                        held.versions = now
+            write = call.view._take_write()
+            if write is not None:
+                point, value = write
+                held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
+                held.access.write(point, held.rows, _local(held.split, value))
+        except Exception as exc:  # noqa: BLE001
+            call.error = call.error or error_record(exc, where=f"writing {call.view.where()}")
+
+    def _refuse_late_edits(self, call: ProgramCall, ctx: CallContext) -> None:
+        """Fail a program that edited a copy whose hook had returned: the edit cannot reach the
+        model, and a program that goes on as if it had would be silently wrong."""
+        late = ctx.holds.late_edit(call.done)
+        if late is not None:
+            call.error = call.error or error_record(RuntimeError(late), where=call.view.where())
+            call.cancel(late)
 
     def _close_call(self, call: ProgramCall, ctx: CallContext) -> None:
         if call.error is not None:
             for inv in ctx.invokes:
                 inv.fail(call.error)
         slots = ctx.members.slots
-        self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - call.used_s)
+        used = call.used_s if call.local_limits else call.agreed_s  # under TP, the time every rank counts
+        self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - used)
+
+    def _agree_on_time(self, calls: list[tuple[ProgramCall, CallContext]]) -> None:
+        """Under TP, decide the step's time-outs the same way on every rank: one all-reduce (max)
+        of each call's running time over the TP group's CPU group, then every call past its budget
+        by that measure is stopped here, on every rank alike. The calls are the same, in the same
+        order, on every rank of the group (built from the same schedule). Costs one small
+        collective per step in which programs ran, only under TP."""
+        agreed = self.agree_max(np.fromiter((call.used_s for call, _ in calls), np.float64, len(calls)))
+        for (call, _ctx), used in zip(calls, agreed.tolist()):
+            call.agreed_s = used
+            if used >= call.budget_s and call.error is None:
+                call.time_out()
+
+    def last_words(self, ctx: CallContext, record: dict) -> None:
+        """Report ``record`` as the error of the call's invokes, now, from the watchdog's thread:
+        the process is about to end (calls.py's last resort), so nothing else will report them."""
+        for state in ctx.invokes:
+            state.error = record
+        batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
+        for state in ctx.invokes:
+            batches[(state.sink, state.trace)].append(state)
+        stage = self.rank["pp_rank"]
+        for (sink, trace), states in batches.items():
+            open_sink(sink).write(trace, stage, [{**_report_of(state, stage), "shared": []} for state in states])
+
+    def check_samples(self, sampled: torch.Tensor, drawn: torch.Tensor) -> None:
+        """Refuse forced tokens outside the vocabulary once programs are done with this step's
+        samples (a write, or an in-place edit of ``m.samples``): the next step's embedding lookup
+        would fail on them and take the worker down (or, split across TP ranks, read a zero row).
+        The token vLLM drew (``drawn``) stays and the invoke fails. Runs only while a program reads
+        samples (the hook is installed on demand); its one host sync is on that path alone, and
+        the runner synchronises the sampled ids right after anyway."""
+        bad = (sampled < 0) | (sampled >= self.vocab_size)
+        if not bool(bad.any()):
+            return
+        rows = bad.reshape(len(bad), -1).any(dim=1).nonzero().flatten().tolist()
+        forced, kept = sampled.reshape(len(bad), -1)[:, 0].tolist(), drawn.reshape(len(bad), -1)[:, 0].tolist()
+        sampled.copy_(torch.where(bad, drawn, sampled))
+        req_ids = self.step.layout.req_ids if self.step is not None else []
+        for row in rows:
+            state = self.invokes.get(req_ids[row]) if row < len(req_ids) else None
+            if state is not None:
+                state.fail(error_record(ValueError(
+                    f"m.samples forced token id {forced[row]}, outside the vocabulary: valid ids are 0 to "
+                    f"{self.vocab_size - 1}. The sampled token {kept[row]} was kept and this invoke was "
+                    "stopped; force an id in range(vocab size)"), where="samples"))
 
     # --- services for programs (called from a program the engine switched in) -------------------
 
@@ -573,7 +696,7 @@ class Interleaver:
             inv = invokes[int(np.flatnonzero(over)[0])]
             raise MemoryError(
                 f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
-                f"{inv.max_save_bytes / 2**20:.0f} MiB (raise max_save_bytes, or save less: "
+                f"{_human_bytes(inv.max_save_bytes)} (raise max_save_bytes, or save less: "
                 "e.g. m.last(x) or a reduction)"
             )
         self.slots.save_used[slots] = used
@@ -600,14 +723,11 @@ class Interleaver:
         self.step.mailbox[(trace, name)] = value
 
     def recv(self, ctx: CallContext, name: str, call: ProgramCall) -> Any:
+        """The value sent as ``name`` in this step (the view makes this one access of the call)."""
         key = (ctx.invokes[0].trace, name)
-
-        def live():
-            if key in self.step.mailbox:
-                return self.step.mailbox[key]
-            return call.wait_at(Point(MAILBOX, name))  # resumed by _pump once someone sends it
-
-        return call.access(live)
+        if key in self.step.mailbox:
+            return self.step.mailbox[key]
+        return call.wait_at(Point(MAILBOX, name))  # resumed by _pump once someone sends it
 
     def is_parameter(self, module: str, name: str) -> bool:
         mod = self.tree.modules.get(module)
@@ -618,8 +738,8 @@ class Interleaver:
     def parameter(self, module: str, name: str, call: ProgramCall) -> torch.Tensor | None:
         """A parameter as the unsharded model has it (gathered across TP ranks when split).
         Under PP it is an access like a point's: read on the stage that owns the module."""
-        if self.tree.modules.get(module) is not None:
-            return self.tp.full_parameter(module, name)
+        if self.tree.modules.get(module) is not None:  # read-only: every request shares the weights
+            return ReadOnlyTensor.of(self.tp.full_parameter(module, name))
         return call.wait_at(Point(module, f"param:{name}"))  # a later stage reads it
 
     def _pump(self, step: Step) -> None:
@@ -656,11 +776,12 @@ class Interleaver:
         trace = ctx.invokes[0].trace
         present = sorted(inv.invoke for inv in self.invokes.values()
                          if inv.trace == trace and inv.req_id in self.step.layout.req_ids)
+        sent = sorted(n for t, n in self.step.mailbox if t == trace)
         return (
             f"recv({name!r}) at {ctx.step_words()}: no invoke of this trace sent {name!r} in this "
-            f"step. Invokes of the trace scheduled in this step: {present}. The sender must be "
-            "scheduled in the same step as the receiver (prompts that fit one step together are) "
-            "and call send() in that step."
+            f"step (names sent in this step: {sent}). Invokes of the trace scheduled in this step: "
+            f"{present}. The sender must be scheduled in the same step as the receiver (prompts "
+            "that fit one step together are) and call send() with the same name in that step."
         )
 
 
@@ -734,9 +855,12 @@ def _with_objects(rows: dict[str, Any], objects: dict[str, list]) -> dict[str, A
     return rows
 
 
-def _maybe_edited(value: Any, version: int | None) -> bool:
-    """False only when the copy's version counter shows no in-place edit since it was handed out."""
-    return version is None or value._version != version
+def _human_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at 1 or more ("64 KiB", "1.5 GiB")."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.4g} {unit}"
+        n /= 1024
 
 
 def _gather(split, value: Any) -> Any:

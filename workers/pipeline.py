@@ -110,7 +110,8 @@ def unpack(entries: dict[str, torch.Tensor]) -> dict[str, Carried]:
         if isinstance(value, _TensorRef):
             start = offsets[value.index]
             nbytes = value.dtype.itemsize * prod(value.shape)
-            return data[start : start + nbytes].clone().view(value.dtype).view(value.shape)
+            with torch.inference_mode(False):  # a normal tensor: its version counter shows late edits (holds.py)
+                return data[start : start + nbytes].clone().view(value.dtype).view(value.shape)
         if isinstance(value, tuple):
             return tuple(lower(v) for v in value)
         return value

@@ -16,6 +16,7 @@ Kinds:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ from torch import nn
 if TYPE_CHECKING:
     from interlace.workers.layout import BatchLayout
 
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.\d+$")  # a decoder layer's qualified name
+MAILBOX = "@mailbox"  # pseudo-module of the points receivers wait at: Point(MAILBOX, name)
 TOKEN_KINDS = ("output", "input", "resid", "final")
 ROW_PER_REQUEST_KINDS = ("logits", "samples")
 KINDS = TOKEN_KINDS + ROW_PER_REQUEST_KINDS
@@ -106,6 +109,26 @@ class ModuleTree:
                 f"'layers.3.mlp.down_proj.output') or be one of {['embeddings', 'final', *ROW_PER_REQUEST_KINDS]}"
             )
         return Point(self.resolve(path), kind)
+
+    def op_point(self, spec: str) -> Point:
+        """A declarative op's point: as :meth:`point`, refusing a decoder layer's ``output`` (an
+        op acts on one tensor and could only guess which of (hidden, residual) is meant) and
+        ``resid`` on a module that is not a decoder layer."""
+        point = self.point(spec)
+        layer = self.is_layer(point.module)
+        if point.kind == "output" and layer:
+            raise ValueError(
+                f"ops cannot act on {spec!r}: vLLM's decoder layers return (hidden, residual) and the "
+                f"residual stream is their sum, so either alone is the classic silent error; write "
+                f"'{short_name(point.module)}.resid' (a program can read the pair as m.layers[i].output)"
+            )
+        if point.kind == "resid" and not layer:
+            raise ValueError(f"'resid' is defined on decoder layers (e.g. 'layers.1.resid'), not on {short_name(point.module)!r}")
+        return point
+
+    def is_layer(self, module: str) -> bool:
+        """Whether ``module`` is a decoder layer (``model.layers.3``), whose output is (hidden, residual)."""
+        return _LAYER.search(module) is not None
 
     def _need(self, name: str | None, spec: str) -> str:
         if name is None:
@@ -220,6 +243,21 @@ class PointAccess:
                     rows.put(t, d, v)
             return
         rows.put(base, _dim(base, self.layout.num_tokens, point.kind) or 0, value)
+
+    def read_tensor(self, point: Point, rows: Rows) -> torch.Tensor:
+        """The one tensor a declarative op acts on: the point's value, or the first element of a
+        module's tuple output (vLLM's linear layers return ``(out, bias)``, its norms
+        ``(normed, residual)``; decoder layers' ``(hidden, residual)`` are refused by ``op_point``)."""
+        if point.kind != "output" or not isinstance(self.hooked, tuple):
+            return self.read(point, rows)
+        return _map(self.hooked[0], lambda t, d: rows.take(t, d), self.layout.num_tokens, point.kind)
+
+    def write_tensor(self, point: Point, rows: Rows, value: torch.Tensor) -> None:
+        """Write what :meth:`read_tensor` read."""
+        if point.kind != "output" or not isinstance(self.hooked, tuple):
+            return self.write(point, rows, value)
+        first = self.hooked[0]
+        rows.put(first, _dim(first, self.layout.num_tokens, point.kind) or 0, value)
 
     def is_copy(self, point: Point, rows: Rows) -> bool:
         """Whether reads hand out copies (gathered rows, or the computed resid sum). Copies are

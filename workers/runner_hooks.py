@@ -3,9 +3,11 @@
 This is the only file that knows runner internals, and it stays thin: it wraps three runner entry
 points and builds a :class:`BatchLayout` per step.
 
-    execute_model(scheduler_output)  finish requests vLLM has dropped, admit new ones
+    execute_model(scheduler_output)  finish requests vLLM has dropped (clearing the KV-cache blocks of
+                                     those that may have written: kv_blocks.py), admit new ones
       model forward pre-hook         begin_step(layout): rows are final once the forward starts
       ... module hooks ...
+    runner sampling                  programs at samples, then forced tokens checked (check_samples)
     sample_tokens(...)               end_step() once sampling is done (the last PP stage), or
     execute_model returning a value  end_step() on stages that send activations onward, whose
                                      carry (see pipeline.py) rides along in IntermediateTensors
@@ -17,6 +19,7 @@ import functools
 import logging
 
 from interlace.workers.interleaver import PAYLOAD_KEY, Interleaver
+from interlace.workers.kv_blocks import KVBlocks
 from interlace.workers.layout import layout_from_v1_runner, layout_from_v2_input_batch
 from interlace.workers.pipeline import pack, take_carry, unpack
 
@@ -40,12 +43,18 @@ def install(runner, all_modules: list[str]) -> Interleaver:
     @functools.wraps(original_sample_fn)
     def sample_with_slot(*args, **kwargs):
         result = original_sample_fn(*args, **kwargs)
-        if samples_slot.callback is not None:
-            samples_slot.callback(result[0] if isinstance(result, tuple) else result)
+        if samples_slot.callback is not None:  # some program reads (and may force) samples
+            output = result[0] if isinstance(result, tuple) else result
+            sampled = output.sampled_token_ids.clone()  # what vLLM sampled, kept where a forced token is refused
+            samples_slot.callback(output)
+            _guard(inter, inter.check_samples, output.sampled_token_ids, sampled)
         return result
 
     setattr(runner, sample_fn, sample_with_slot)
     inter = Interleaver(runner.model, samples_slot, rank, all_modules, runner.model_config.get_hidden_size())
+    inter.vocab_size = runner.model_config.get_vocab_size()
+    if rank["tp_size"] > 1:
+        inter.agree_max = _max_over(get_tp_group().cpu_group)
     captured = {}
 
     if is_v2:  # V2 builds a fresh InputBatch each step: keep the one the forward will use
@@ -65,10 +74,16 @@ def install(runner, all_modules: list[str]) -> Interleaver:
     original_execute = runner.execute_model
     original_sample = runner.sample_tokens
     state = {"in_step": False}
+    kv_blocks = KVBlocks(runner)  # intervened requests' KV-cache blocks, zeroed when let go
 
     @functools.wraps(original_execute)
     def execute_model(scheduler_output, intermediate_tensors=None, *args, **kwargs):
         _guard(inter, inter.finish, scheduler_output.finished_req_ids)
+        if kv_blocks.held or kv_blocks.marked:  # before this step's forward, which may reuse their blocks
+            _guard(inter, kv_blocks.release, scheduler_output.finished_req_ids)
+            _guard(inter, kv_blocks.preempted, getattr(scheduler_output, "preempted_req_ids", None) or ())
+        if kv_blocks.marked:  # blocks of preempted requests, given to others this step
+            _guard(inter, _give_blocks, kv_blocks, scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             payload = _payload(new)
             # V2 drops a preempted request's state and adds it again as new when it resumes; its
@@ -76,6 +91,10 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             # as on V1, which resumes it in place.
             if payload is not None and new.req_id not in inter.invokes:
                 _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload)
+            if payload is not None and _may_write(inter.invokes.get(new.req_id)):
+                kv_blocks.hold(new.req_id, new.block_ids)
+        if kv_blocks.held or kv_blocks.preempted_waiting:
+            _guard(inter, kv_blocks.update, scheduler_output.scheduled_cached_reqs)
         state["in_step"] = inter.active
         if intermediate_tensors is not None and inter.active:  # an earlier stage's carry
             inter.carry_in = _guard(inter, lambda: unpack(take_carry(intermediate_tensors.tensors))) or {}
@@ -117,6 +136,37 @@ class CallbackSlot:
 
     def remove(self) -> None:
         self.callback = None
+
+
+def _max_over(cpu_group):
+    """The element-wise max of a small float array over a process group (gloo, on the host: no
+    device sync), for decisions every rank of the TP group must take alike."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    def agree_max(values: np.ndarray) -> np.ndarray:
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=cpu_group)
+        return tensor.numpy()
+
+    return agree_max
+
+
+def _give_blocks(kv_blocks: KVBlocks, scheduler_output) -> None:
+    """Every block the scheduler handed out this step, to whom (see KVBlocks.given)."""
+    for new in scheduler_output.scheduled_new_reqs:
+        kv_blocks.given(new.req_id, new.block_ids)
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
+        if blocks is not None:
+            kv_blocks.given(req_id, blocks)
+
+
+def _may_write(invoke) -> bool:
+    """Whether an intervened request may change its own activations (a program, or an op that
+    edits): only those can leave poisoned KV-cache blocks behind (see kv_blocks.py)."""
+    return invoke is not None and (invoke.program is not None or any(op.get("op") != "save" for op in invoke.ops))
 
 
 def _payload(new_request) -> bytes | None:

@@ -17,7 +17,7 @@ import numpy as np
 
 _COLUMNS = {"prompt_len": np.int64, "next_position": np.int64, "replay_until": np.int64,
             "save_used": np.int64, "save_limit": np.int64, "time_left": np.float64, "invoke": np.int64,
-            "group": np.int64, "some_steps": np.bool_}
+            "group": np.int64, "some_steps": np.bool_, "ops_expected": np.int64, "ops_applied": np.int64}
 
 
 class SlotTable:
@@ -46,6 +46,8 @@ class SlotTable:
         self.invoke[slot] = invoke  # its index in its trace
         self.group[slot] = -1  # the number of its program's group (see Interleaver.admit); -1: none
         self.some_steps[slot] = some_steps  # its program runs at some steps only
+        self.ops_expected[slot] = 0  # a bit per op it carries on this rank (see ops.applied_bit)
+        self.ops_applied[slot] = 0  # the bits of those ops that have selected some row
         return slot
 
     def remove(self, slot: int) -> None:

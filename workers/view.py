@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from interlace.workers.points import Point
+from interlace.workers.points import MAILBOX, Point
 
 
 class Node:
@@ -85,7 +85,7 @@ class ProgramView:
         object.__setattr__(self, "_tree", call_ctx.tree)
         object.__setattr__(self, "_current", None)  # the point the program holds right now
         object.__setattr__(self, "_current_value", None)
-        object.__setattr__(self, "_pending_write", None)
+        object.__setattr__(self, "_pending_write", None)  # (point, value) assigned since the last switch
         object.__setattr__(self, "_call", None)
 
     # --- step and batch facts -------------------------------------------------------------------
@@ -169,9 +169,11 @@ class ProgramView:
     def recv(self, name: str) -> Any:
         """A value another invoke of this trace sends in this step (activation patching).
 
-        Waits until the sender has sent it; fails at the end of the step if nobody did.
+        Waits until the sender has sent it; fails at the end of the step if nobody did. Values
+        read before the wait can be written after it only while the forward pass is still at
+        their module (see docs/guide.md, "What a program may do after a wait").
         """
-        return self._ctx.services.recv(self._ctx, name, self._call)
+        return self._access(lambda: self._ctx.services.recv(self._ctx, name, self._call), Point(MAILBOX, name))
 
     # --- the tree --------------------------------------------------------------------------------
 
@@ -199,12 +201,26 @@ class ProgramView:
         return self._ctx.services.is_parameter(path, name)
 
     def _parameter(self, path: str, name: str) -> torch.Tensor:
-        return self._call.access(lambda: self._ctx.services.parameter(path, name, self._call))
+        return self._access(lambda: self._ctx.services.parameter(path, name, self._call), Point(path, f"param:{name}"))
+
+    def _access(self, live, what: Point) -> Any:
+        """One access of the call (see ProgramCall.access). Under pipeline parallelism, the first
+        live one on this stage ends the replay of earlier stages' accesses: from then on, edits to
+        the values replayed would be lost, and are refused (see holds.py)."""
+        call = self._call
+        if not call.replaying:
+            return call.access(live)
+        value = call.access(live)
+        if not call.replaying:
+            self._ctx.holds.replay_ended(what)
+        return value
 
     def _read(self, point: Point) -> Any:
         if point == self._current:
             return self._current_value
-        value = self._call.access(lambda: self._call.wait_at(point))
+        value = self._access(lambda: self._call.wait_at(point), point)
+        if self._call.replaying:  # read live on an earlier pipeline stage
+            self._ctx.holds.replayed.append((point, value))
         object.__setattr__(self, "_current", point)
         object.__setattr__(self, "_current_value", value)
         object.__setattr__(self, "_pending_write", None)
@@ -212,12 +228,31 @@ class ProgramView:
 
     def _write(self, point: Point, value: Any) -> None:
         current = self._read(point)
-        object.__setattr__(self, "_pending_write", check_write(point, current, value))
+        if self._call.replaying:  # made, and written, on an earlier pipeline stage
+            return
+        self._ctx.holds.refuse_write(point)  # its hook has returned: the write would be lost
+        if point.kind == "samples":
+            check_forced_tokens(value, self._ctx.services.vocab_size)
+        object.__setattr__(self, "_pending_write", (point, check_write(point, current, value)))
 
     def _take_write(self) -> Any:
         write = self._pending_write
         object.__setattr__(self, "_pending_write", None)
         return write
+
+
+def check_forced_tokens(value: Any, vocab_size: int) -> None:
+    """Refuse forced token ids outside the vocabulary, here in the program where the value is on
+    the host (free to check); values on the device, and in-place edits of ``m.samples``, are
+    checked once the program is done with the step's samples (Interleaver.check_samples)."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.is_floating_point() or not value.numel():
+        return
+    low, high = int(value.min()), int(value.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"write to samples: token id {low if low < 0 else high} is outside the vocabulary "
+            f"(valid ids are 0 to {vocab_size - 1}); force an id in range(vocab size)"
+        )
 
 
 def check_write(point: Point, current: Any, value: Any) -> Any:

@@ -1,0 +1,108 @@
+"""The one trace path, shared by every target (the local engine, a Ray cluster's replicas).
+
+A target takes a validated trace, turns its invokes into vLLM requests with
+:func:`build_requests`, runs them, gathers the workers' reports (:class:`ReportWatcher` reads a
+``dir:`` sink as reports appear) and hands completions and reports to :func:`assemble`, which
+builds the :class:`TraceResult` (or raises the trace's :class:`InterventionError`). Keeping these
+in one place is what keeps ``Model`` and ``Cluster`` results equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from interlace.cluster.merge import merge_shared
+from interlace.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
+from interlace.wire import Completion, ErrorRecord, InvokePayload, Report
+from interlace.workers.scheduler import GANG_KEY, WHOLE_PROMPT_KEY
+from interlace.workers.sink import read_new_reports, writing_reports
+
+
+def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[InvokePayload | None], settings: dict,
+                   wire_trace: str, sink: str | None = None) -> tuple[list[dict], list]:
+    """vLLM prompts and ``SamplingParams`` for the invokes of a trace (or one shard of it).
+
+    ``wire_trace`` is the id the workers know these requests by (the trace's own id locally; a
+    shard attempt's id on a cluster); ``sink`` replaces the payloads' sink where given (a
+    replica's node-local folder).
+    """
+    from vllm import SamplingParams
+
+    gang_size = sum(p is not None for p in payloads)
+    requests, params = [], []
+    for text_or_ids, payload in zip(prompts, payloads):
+        prompt: dict = {"prompt": text_or_ids} if isinstance(text_or_ids, str) else {"prompt_token_ids": list(text_or_ids)}
+        extra = None
+        if payload is not None:
+            payload = dataclasses.replace(payload, trace=wire_trace, sink=sink or payload.sink)
+            # A unique salt keeps prefix caching from skipping this request's prompt tokens,
+            # which its hooks must see; plain requests keep the cache.
+            prompt["cache_salt"] = f"interlace-{wire_trace}-{payload.invoke}"
+            extra = {"interlace": payload_bytes(payload), GANG_KEY: [wire_trace, payload.invoke, gang_size]}
+            if payload.program is not None and (payload.steps is None or 0 in payload.steps):
+                extra[WHOLE_PROMPT_KEY] = True  # the program sees the prompt at once
+        requests.append(prompt)
+        params.append(SamplingParams(**settings, extra_args=extra))
+    return requests, params
+
+
+class ReportWatcher:
+    """Waits for the reports of ``wanted`` (invoke, stage) pairs in one trace's sink folder.
+
+    Call :meth:`poll` until :attr:`done` (the caller sleeps in between, in a thread or a coroutine).
+    Past ``grace_s`` with reports still missing it raises, unless some rank is writing a report
+    right now (reports are written in order, so one under way means the workers are alive).
+    """
+
+    def __init__(self, root: Path, folder: str, wanted: set[tuple[int, int]], grace_s: float):
+        self.root, self.folder = root, root / folder
+        self.wanted = set(wanted)
+        self.grace_s = grace_s
+        self.reports: list[dict] = []
+        self._seen: set[str] = set()
+        self._deadline = time.monotonic() + grace_s
+
+    @property
+    def done(self) -> bool:
+        return not self.wanted
+
+    def poll(self) -> None:
+        for report in read_new_reports(self.folder, self._seen):
+            self.wanted.discard((report["invoke"], report["stage"]))
+            self.reports.append(report)
+        if self.wanted and time.monotonic() > self._deadline:
+            if writing_reports(self.root):
+                self._deadline = time.monotonic() + self.grace_s
+                return
+            raise RuntimeError(f"trace {self.folder.name}: no report from (invoke, stage) {sorted(self.wanted)} "
+                               f"within {self.grace_s:.0f}s; a worker may have died")
+
+
+def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],
+             reports: dict[int, list[Report]], shared: dict[str, Any] | None = None) -> TraceResult:
+    """The trace's result from each invoke's completion and its reports (one per pipeline stage;
+    a cluster's come from several replicas); raises the first failure as InterventionError.
+    ``shared``: the trace's shared values merged already (a cluster's collector does)."""
+    results, contributions, first_error = [], [], None
+    for index, (inv, done) in enumerate(zip(invokes, completions)):
+        saves: dict[str, Any] = {}
+        for report in sorted(reports.get(index, []), key=lambda r: r.stage):
+            twice = saves.keys() & report.saves.keys()
+            if twice and first_error is None:  # their order across steps is lost between stages
+                first_error = (index, ErrorRecord(
+                    "ValueError", f"merging pipeline stage {report.stage}",
+                    f"saves {sorted(twice)} were made on more than one pipeline stage; "
+                    "give the values saved on different stages different names", ""))
+            saves.update(report.saves)
+            contributions += [(index, name, how, value) for name, how, value in report.shared]
+            if report.error is not None and first_error is None:
+                first_error = (index, report.error)
+        results.append(InvokeResult(inv.prompt, list(done.token_ids), done.text, saves, done.logprobs))
+    result = TraceResult(results, {})
+    if first_error is not None:
+        raise InterventionError(first_error[0], first_error[1].to_dict(), partial=result)
+    result.shared = merge_shared(contributions) if shared is None else shared
+    return result

@@ -1,0 +1,119 @@
+"""The wire contract: the messages that cross process boundaries, typed, in one module.
+
+The driver encodes an :class:`InvokePayload` per intervened invoke; workers read it as a plain
+dict (code inside a vLLM rank keeps its own dict reader: :meth:`InvokePayload.to_worker` and
+:meth:`Report.from_worker` are the one place the two meet). Workers report a :class:`Report` per
+invoke and pipeline stage, with an :class:`ErrorRecord` when a program or op failed. Replicas
+return a :class:`Completion` per invoke. This module imports nothing else of interlace, so the
+local engine, the Ray cluster and (later) an HTTP front end all read the same types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InvokePayload:
+    """What one intervened invoke's request carries to every worker rank."""
+
+    trace: str  # the id the workers know the trace by (its report folder, gang, batched groups)
+    invoke: int  # the invoke's index in the user's trace (reports carry it back)
+    program: bytes | None  # the program, cloudpickled; None: ops only
+    program_key: str | None  # hash of ``program``: equal programs are unpickled once per rank
+    batched: bool  # the program is @interlace.batched
+    ops: bytes  # the invoke's ops list, cloudpickled
+    ops_key: str  # equal keys, equal ops: unpickled once per rank
+    steps: list[int] | None  # program steps to run; None: every step
+    sink: str  # where reports go ("dir:/path", on the node of the engine)
+    timeout_s: float  # the trace's time limit for programs
+    max_save_bytes: int  # the most the invoke may save
+
+    def to_worker(self) -> dict[str, Any]:
+        """The dict the worker ranks read (workers/interleaver.py)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """A failure inside a worker, picklable, with the user's traceback."""
+
+    type: str  # the exception's class name
+    where: str  # "step 3, layers.1.resid"...
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_worker(cls, record: dict | None) -> "ErrorRecord | None":
+        return None if record is None else cls(record["type"], record["where"], record["message"], record["traceback"])
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+Shared = tuple[str, str, Any]  # (name, merge, value): one contribution to a trace-shared value
+
+
+@dataclass
+class Report:
+    """One invoke's outcome on one pipeline stage: saves, shared contributions, error."""
+
+    trace: str  # the user's trace id
+    invoke: int
+    stage: int  # pipeline stage (0 with no pipeline parallelism)
+    attempt: int  # which run of the invoke's shard (a retried shard's reports have a higher one)
+    saves: Any  # {name: value}; on a cluster, a Ray object ref to that dict until resolved
+    shared: list[Shared] = field(default_factory=list)
+    error: ErrorRecord | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.invoke, self.stage
+
+    @classmethod
+    def from_worker(cls, report: dict, trace: str | None = None, attempt: int = 0) -> "Report":
+        """A worker's report dict (workers/interleaver.py ``_report_of``) as a typed report;
+        ``trace`` renames it (a cluster shard's workers know it by the shard's own id)."""
+        return cls(trace or report["trace"], report["invoke"], report["stage"], attempt, report["saves"],
+                   [tuple(s) for s in report["shared"]], ErrorRecord.from_worker(report["error"]))
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One invoke's generated tokens, as a replica returns them."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None  # of each generated token; None unless asked for
+
+    @classmethod
+    def from_vllm(cls, output) -> "Completion":
+        """From a ``vllm.RequestOutput``."""
+        completion = output.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)]
+        return cls(list(completion.token_ids), completion.text, logprobs)
+
+
+@dataclass
+class ShardTask:
+    """Part of a trace (or all of it) for one replica to run: the invokes that stay together."""
+
+    trace: str  # the user's trace id
+    shard: int  # which part of the trace
+    attempt: int  # 0, then 1, 2... for each re-run after a replica died
+    prompts: list[Any]  # each invoke's prompt (text or token ids), in invoke order
+    payloads: list[InvokePayload | None]  # each invoke's payload (its ``invoke`` is the trace index)
+    settings: dict[str, Any]  # SamplingParams fields shared by the trace's invokes
+    stages: int = 1  # pipeline stages: each intervened invoke reports once per stage
+
+    @property
+    def wire_trace(self) -> str:
+        """The id the workers know this attempt by: unique, so a re-run never meets an old one's state."""
+        return f"{self.trace}.{self.shard}.{self.attempt}"
+
+    def expected(self) -> list[tuple[int, int]]:
+        """The (invoke, stage) reports this shard owes the collector."""
+        return [(p.invoke, s) for p in self.payloads if p is not None for s in range(self.stages)]

@@ -1,0 +1,146 @@
+"""One invoke's bad write never changes another request, now or later, and never kills the engine.
+
+Each case runs a trace with a hostile invoke (NaN or inf written into its own activations, a
+forced token outside the vocabulary, a program that swallows its time-limit interruption) and
+then a trace of new prompts whose plain and intervened requests must equal a fresh engine's:
+transformers in float32 on the same weights, which these tiny models match token for token.
+tests/test_parallel.py runs the write cases again at TP=2, PP=2 and TP=2 x PP=2.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+import interlace
+from interlace import ops
+
+_fresh = itertools.count()  # a new prompt for every check: nothing is served from the prefix cache
+
+
+def _prompt(oracle, words: str) -> list[int]:
+    return oracle.ids(f"{words} {next(_fresh)} and then")
+
+
+def _next_trace_is_exact(model, oracle) -> None:
+    """A plain request and two intervened ones (a save, a steering program) equal transformers."""
+    plain, saved, steered = (_prompt(oracle, w) for w in ("One two three", "The quick brown fox", "Once upon"))
+    vector = torch.randn(oracle.model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
+
+    def steer(m):
+        m.layers[1].resid += vector
+
+    with model.trace(max_tokens=6, ignore_eos=True) as tr:
+        tr.invoke(plain)
+        tr.invoke(saved, ops=[ops.save("layers.2.resid", steps=[0])])
+        tr.invoke(steered, program=steer)
+    assert tr.result[0].token_ids == oracle.greedy(plain, 6)
+    assert tr.result[1].token_ids == oracle.greedy(saved, 6)
+    torch.testing.assert_close(tr.result[1].saves["layers.2.resid"], oracle.run(saved)["resid"][2],
+                               atol=1e-4 if not torch.cuda.is_available() else 1e-2, rtol=0)
+    assert tr.result[2].token_ids == oracle.greedy(steered, 6, hooks={oracle.layers[1]: lambda out: out + vector})
+
+
+def _nan_in_place(m):
+    m.layers[1].resid[:] = float("nan")
+
+
+def _inf_module_output(m):
+    m.layers[2].mlp.output = torch.full_like(m.layers[2].mlp.output, float("inf"))
+
+
+def _huge_finite(m):  # finite, and overflows in the next norm
+    m.layers[0].resid[:] = 1e30
+
+
+BAD_WRITES = {
+    "nan-program": dict(program=_nan_in_place),
+    "inf-module-output": dict(program=_inf_module_output),
+    "huge-finite": dict(program=_huge_finite),
+    "op-scale-inf": dict(ops=[ops.scale("layers.1.resid", float("inf"))]),
+    "op-replace-nan": dict(ops=[ops.replace("layers.2.resid", torch.tensor(float("nan")))]),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_WRITES))
+def test_non_finite_writes_never_reach_other_requests(llama, oracles, bad):
+    """The hostile invoke gets what it wrote (its own business); its neighbour in the trace and
+    every request of the next trace are exact (its KV-cache blocks are cleared when vLLM takes
+    them back: kv_blocks.py)."""
+    oracle = oracles["tiny-llama"]
+    neighbour = _prompt(oracle, "A neighbour")
+    with llama.trace(max_tokens=8, ignore_eos=True) as tr:
+        tr.invoke(_prompt(oracle, "Alpha beta gamma delta epsilon zeta"), **BAD_WRITES[bad])
+        tr.invoke(neighbour)
+    assert tr.result[1].token_ids == oracle.greedy(neighbour, 8)
+    _next_trace_is_exact(llama, oracle)
+
+
+def _force(token, in_place=False):
+    def program(m):
+        if m.step == 1:
+            if in_place:
+                m.samples[0] = token
+            else:
+                m.samples = torch.tensor([token])
+    return program
+
+
+@pytest.mark.parametrize("token", [100000, -5])
+@pytest.mark.parametrize("in_place", [False, True], ids=["assigned", "in-place"])
+def test_forced_tokens_outside_the_vocabulary_fail_that_invoke_and_the_engine_serves(llama, oracles, token, in_place):
+    oracle = oracles["tiny-llama"]
+    neighbour = _prompt(oracle, "A neighbour")
+    with pytest.raises(interlace.InterventionError, match=rf"token id {token}\b.*outside the vocabulary.*0 to \d+") as err:
+        with llama.trace(max_tokens=4, ignore_eos=True) as tr:
+            tr.invoke(_prompt(oracle, "Force a token"), program=_force(token, in_place))
+            tr.invoke(neighbour)
+    assert err.value.invoke == 0
+    partial = err.value.partial
+    vocab = oracle.model.config.vocab_size
+    assert all(0 <= t < vocab for t in partial[0].token_ids)  # the refused token never reached the model
+    assert partial[1].token_ids == oracle.greedy(neighbour, 4)
+    _next_trace_is_exact(llama, oracle)
+
+
+def test_a_program_that_swallows_its_interruption_is_stopped_and_the_next_trace_is_exact(llama, oracles):
+    """A program that catches every interruption cannot be stopped from inside its thread (the
+    engine's): a few seconds past its limit the worker ends itself with a record, the trace
+    fails with that reason, and the next trace runs on a new engine."""
+    from interlace.workers.calls import GRACE_S
+
+    def stubborn(m):
+        m.layers[0].resid
+        while True:
+            try:
+                end = time.monotonic() + 0.5
+                while time.monotonic() < end:
+                    pass
+            except BaseException:  # noqa: BLE001 - the point of the test
+                pass
+
+    oracle = oracles["tiny-llama"]
+    start = time.monotonic()
+    with pytest.raises(interlace.WorkerDied, match=r"time limit of 1s.*ended the engine's worker process"):
+        llama.generate(_prompt(oracle, "Stubborn"), program=stubborn, max_tokens=2, timeout_s=1)
+    assert time.monotonic() - start < 1 + GRACE_S + 10  # not vLLM's own time-outs (minutes)
+    _next_trace_is_exact(llama, oracle)
+
+
+def test_engine_settings_that_skip_hooks_are_refused_before_an_engine_starts():
+    from interlace.cluster.config import ModelConfig
+    from interlace.cluster.engine import engine_args
+
+    for overrides, named in [({"enforce_eager": False}, "enforce_eager=False"),
+                             ({"compilation_config": {"mode": 3}}, "mode=3"),
+                             ({"compilation_config": 2}, "mode=2"),
+                             ({"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}, "cudagraph_mode")]:
+        with pytest.raises(ValueError, match=rf"{named}.*forward hooks.*silently"):
+            interlace.Model("tiny-llama", **overrides)
+        with pytest.raises(ValueError, match=named):  # every engine path (the cluster's too)
+            engine_args(ModelConfig.load("tiny-llama"), **overrides)
+    model = interlace.Model("tiny-llama", compilation_config={"pass_config": {"fuse_allreduce_rms": False}})
+    assert model._engine is None  # accepted, and nothing started
