@@ -48,6 +48,13 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             sampled = output.sampled_token_ids.clone()  # what vLLM sampled, kept where a forced token is refused
             samples_slot.callback(output)
             _guard(inter, inter.check_samples, output.sampled_token_ids, sampled)
+        if inter.step is not None:
+            # An intervened request's non-finite logits (its own writes) can make the GPU sampler
+            # draw an id outside the vocabulary, which the next step's embedding lookup turns into
+            # a device-side assert that kills the worker (seen on an H100). Its own tokens are its
+            # business; the engine's life is not. One small kernel, no host sync.
+            output = result[0] if isinstance(result, tuple) else result
+            output.sampled_token_ids.clamp_(0, inter.vocab_size - 1)
         return result
 
     setattr(runner, sample_fn, sample_with_slot)
