@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -87,3 +87,296 @@ class ModelConfig(BaseModel):
 
             return str(ensure_tiny_model(self.source[len(EMBEDDED_PREFIX) :]))
         return self.source
+
+
+class ResourcesConfig(BaseModel):
+    """What one engine rank (one TP x PP worker) takes from the Ray cluster: one placement-group
+    bundle per rank."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per rank (on CPU machines, the rank's compute).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per rank; 0 on CPU machines.")
+    accelerator_type: str | None = Field(
+        None, description="Ray accelerator type the ranks need (e.g. 'H100'); None: any."
+    )
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Further Ray resources per rank, e.g. {'interlace_slot': 1}."
+    )
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle."""
+        bundle = {"CPU": self.num_cpus, **self.custom}
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        if self.accelerator_type:
+            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return {k: v for k, v in bundle.items() if v}
+
+
+class ClusterConfig(BaseModel):
+    """A model served by ``replicas`` engines on a Ray cluster, with the driver's bounds.
+
+        >>> cfg = ClusterConfig.load("tiny-llama-2")                       # bundled: two CPU replicas
+        >>> cfg = ClusterConfig(model=ModelConfig.load("tiny-llama"), replicas=4, max_in_flight=8)
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: ModelConfig = Field(description="The model every replica serves (a bundled name or the fields).")
+    replicas: int = Field(1, ge=1, description="Engine replicas (each TP x PP ranks on its own placement group).")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray resources per rank.")
+    placement_strategy: str = Field(
+        "PACK", description="Placement of one replica's rank bundles: PACK (one node where it fits) or "
+        "SPREAD (across nodes; multi-node pipelines)."
+    )
+    max_in_flight: int = Field(8, ge=1, description="Trace shards running at once on one replica (backpressure).")
+    max_queued: int = Field(
+        10_000, ge=1, description="Traces the driver holds (queued and running); submit() waits past it."
+    )
+    max_retries: int = Field(3, ge=0, description="Re-runs of a trace shard whose replica died, before it fails.")
+    min_shard_invokes: int = Field(
+        16, ge=1, description="A trace is split across replicas only into shards of at least this many invokes."
+    )
+    cpu_cores: list[list[int]] | None = Field(
+        None, description="CPU engines: the cores each replica's ranks are bound to (replica i gets entry "
+        "i mod len); None: every core the replica's process may use."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_by_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("model"), str):
+            data = {**data, "model": ModelConfig.load(data["model"])}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterConfig":
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"placement_strategy {self.placement_strategy!r}: choose PACK (default), SPREAD, "
+                             "STRICT_PACK or STRICT_SPREAD")
+        return self
+
+    @classmethod
+    def load(cls, name_or_path: "str | Path | ClusterConfig") -> "ClusterConfig":
+        """A bundled cluster config by name (``"tiny-llama-2"``), a YAML file, or a config as is."""
+        if isinstance(name_or_path, ClusterConfig):
+            return name_or_path
+        path = Path(name_or_path)
+        if path.suffix in (".yaml", ".yml"):
+            return cls.model_validate(yaml.safe_load(path.read_text()))
+        folder = resources.files("interlace.configs") / "clusters"
+        bundled = folder / f"{name_or_path}.yaml"
+        if not bundled.is_file():
+            known = sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+            raise ValueError(f"no bundled cluster config {name_or_path!r}; choose one of {known} "
+                             "or pass the path of a .yaml file")
+        return cls.model_validate(yaml.safe_load(bundled.read_text()))
+
+
+# --- sweeps: one intervention over a dataset of prompts (``interlace sweep SWEEP.yaml``) ---------
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+class TensorFile(BaseModel):
+    """A tensor stored by name in a ``.safetensors`` file (a steering vector, a patch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str = Field(description="The .safetensors file (relative paths: from the sweep YAML's folder).")
+    name: str = Field(description="The tensor's name in that file.")
+
+    def load(self):
+        from safetensors import safe_open
+
+        with safe_open(self.file, framework="pt") as f:
+            if self.name not in f.keys():
+                raise ValueError(f"{self.file} has no tensor {self.name!r}; it has {sorted(f.keys())}")
+            return f.get_tensor(self.name)
+
+
+class SweepOp(BaseModel):
+    """One declarative op, as ``interlace.ops`` makes it: ``{op: save, point: layers.2.resid, tokens: last}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    op: str = Field(description="save, add, scale, replace or zero.")
+    point: str = Field(description="Where: 'layers.2.resid', 'layers.1.mlp.output', 'logits'...")
+    name: str | None = Field(None, description="save only: the save's name (default: the point).")
+    tokens: str | list[int] = Field("all", description="'all', 'last' or a list of positions.")
+    steps: list[int] | None = Field(None, description="Steps the op acts at (0 is the prompt); None: every step.")
+    value: float | list[float] | TensorFile | None = Field(
+        None, description="add/replace: a vector (a list, or {file, name} in a .safetensors file); scale: a factor.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SweepOp":
+        needs = {"save": False, "zero": False, "add": True, "replace": True, "scale": True}
+        if self.op not in needs:
+            raise ValueError(f"op {self.op!r}: choose one of {sorted(needs)}")
+        if needs[self.op] != (self.value is not None):
+            raise ValueError(f"op {self.op} at {self.point}: " + ("give it a value" if needs[self.op] else "takes no value"))
+        if self.name is not None and self.op != "save":
+            raise ValueError(f"op {self.op} at {self.point}: only save takes a name")
+        return self
+
+    def build(self) -> dict:
+        """The op as ``interlace.ops`` makes it."""
+        import torch
+
+        from interlace import ops
+
+        value = self.value.load() if isinstance(self.value, TensorFile) else self.value
+        where = dict(tokens=self.tokens, steps=self.steps)
+        if self.op == "save":
+            return ops.save(self.point, name=self.name, **where)
+        if self.op == "zero":
+            return ops.zero(self.point, **where)
+        if self.op == "scale":
+            return ops.scale(self.point, float(value), **where)
+        return getattr(ops, self.op)(self.point, torch.as_tensor(value, dtype=torch.float32), **where)
+
+
+class SweepIntervention(BaseModel):
+    """What runs on every prompt: declarative ops, a program by import path, or both (or neither:
+    plain generation)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ops: list[SweepOp] = Field(default_factory=list, description="Declarative ops, applied in order.")
+    program: str | None = Field(
+        None, description="A program by import path, 'module:function' (importable from the sweep YAML's "
+        "folder or the current one).")
+    batched: bool = Field(False, description="Run the program as @interlace.batched (it may be marked already).")
+    steps: list[int] | None = Field(None, description="Program steps to run; None: every step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SweepIntervention":
+        if self.program is not None and (":" not in self.program or not all(self.program.split(":", 1))):
+            raise ValueError(f"program {self.program!r}: write it as 'module:function', e.g. 'my_probes:keep_resid'")
+        return self
+
+
+class SweepInput(BaseModel):
+    """The prompts: JSONL, Parquet or CSV files, one prompt a row."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    paths: list[str] = Field(description="Files or folders (relative: from the sweep YAML's folder), or URLs "
+                             "pyarrow/fsspec reads (s3://...). Rows are read in this order.")
+    format: str = Field("auto", description="json (JSONL), parquet, csv, or auto: from the first path's suffix.")
+    column: str = Field("prompt", description="The column holding each prompt: text, or a list of token ids.")
+    limit: int | None = Field(None, gt=0, description="Use only the first this many rows (after the shuffle).")
+    shuffle_seed: int | None = Field(None, description="Shuffle the rows with this seed before the limit; "
+                                     "None: file order.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SweepInput":
+        if not self.paths:
+            raise ValueError("input.paths is empty; list the JSONL/Parquet/CSV files of prompts")
+        if self.format not in ("auto", "json", "parquet", "csv"):
+            raise ValueError(f"input.format {self.format!r}: choose auto, json, parquet or csv")
+        return self
+
+    def resolved_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        name = self.paths[0].rstrip("/").lower()
+        for suffixes, fmt in (((".jsonl", ".json", ".jsonl.gz", ".json.gz"), "json"),
+                              ((".parquet", ".pq"), "parquet"), ((".csv", ".csv.gz"), "csv")):
+            if name.endswith(suffixes):
+                return fmt
+        raise ValueError(f"input.format auto: cannot tell the format of {self.paths[0]!r}; set format: "
+                         "json, parquet or csv")
+
+
+class GenerationConfig(BaseModel):
+    """Sampling settings for every prompt (as ``model.trace(...)`` takes them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(1, ge=1, description="Tokens generated per prompt (1: the prompt's forward and one token).")
+    temperature: float = Field(0.0, ge=0, description="0: greedy.")
+    seed: int | None = Field(None, description="Per-prompt sampling seed (reproducible sampling at temperature > 0).")
+    ignore_eos: bool = Field(False, description="Generate max_tokens even past an end-of-sequence token.")
+    timeout_s: float | None = Field(None, gt=0, description="Time limit of one shard's programs; default INTERLACE_TRACE_TIMEOUT.")
+    max_save_bytes: int = Field(1 << 30, gt=0, description="The most one prompt may save.")
+    sampling: dict[str, Any] = Field(default_factory=dict, description="Further vllm.SamplingParams fields (top_p...).")
+
+    def settings(self) -> dict[str, Any]:
+        """SamplingParams fields, as ``Model.trace`` builds them."""
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed, logprobs=None,
+                    ignore_eos=self.ignore_eos, **self.sampling)
+
+
+class SweepConfig(BaseModel):
+    """One intervention over a dataset of prompts, written to a folder of shards.
+
+        >>> cfg = SweepConfig.load("configs/sweeps/example.yaml")   # relative paths: from the YAML's folder
+        >>> cfg.shard_size, cfg.cluster.replicas
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cluster: ClusterConfig = Field(description="The engine replicas: a bundled cluster name ('tiny-llama-2'), a "
+                                   "cluster YAML path, or the fields inline (model, replicas, resources...).")
+    input: SweepInput = Field(description="Where the prompts come from.")
+    intervention: SweepIntervention = Field(default_factory=SweepIntervention, description="What runs on every prompt.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings.")
+    output: str = Field(description="The sweep's folder (relative: from the YAML's folder); a rerun resumes it.")
+    shard_size: int = Field(256, ge=1, description="Prompts per shard: shard k holds prompt ids [k*size, (k+1)*size).")
+    shards_in_flight: int = Field(2, ge=1, description="Shards one replica runs at once (the next one queued "
+                                  "while the last is written).")
+    max_failures: int | None = Field(None, ge=0, description="Stop once more prompts than this have failed; None: never.")
+    _base_dir: str | None = PrivateAttr(None)  # the YAML's folder: where the program's module is looked for first
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cluster_by_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("cluster"), str):
+            data = {**data, "cluster": ClusterConfig.load(data["cluster"])}
+        return data
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SweepConfig":
+        """A sweep YAML; its relative paths are read from the YAML's folder."""
+        path = Path(path)
+        raw = yaml.safe_load(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a sweep config is a YAML mapping (cluster, input, intervention, output...)")
+        cfg = cls.model_validate(_resolve_paths(raw, path.resolve().parent))
+        cfg._base_dir = str(path.resolve().parent)
+        return cfg
+
+    @property
+    def base_dir(self) -> str | None:
+        """The folder of the YAML this config was loaded from (None: made in Python)."""
+        return self._base_dir
+
+    def identity(self) -> dict[str, Any]:
+        """What fixes a sweep's output: a rerun into the same folder must match it (the replica count,
+        shards in flight and max_failures may change)."""
+        return self.model_dump(mode="json", include={"input", "intervention", "generation", "shard_size"}) | {
+            "model": self.cluster.model.model_dump(mode="json")}
+
+
+def _resolve_paths(raw: dict, base: Path) -> dict:
+    def here(p: str) -> str:
+        return p if _is_url(p) or Path(p).is_absolute() else str(base / p)
+
+    raw = dict(raw)
+    if isinstance(raw.get("cluster"), str) and raw["cluster"].endswith((".yaml", ".yml")):
+        raw["cluster"] = here(raw["cluster"])
+    if isinstance(raw.get("output"), str):
+        raw["output"] = here(raw["output"])
+    if isinstance(raw.get("input"), dict) and isinstance(raw["input"].get("paths"), list):
+        raw["input"] = {**raw["input"], "paths": [here(p) if isinstance(p, str) else p for p in raw["input"]["paths"]]}
+    intervention = raw.get("intervention")
+    if isinstance(intervention, dict):
+        ops = [{**op, "value": {**op["value"], "file": here(op["value"]["file"])}}
+               if isinstance(op, dict) and isinstance(op.get("value"), dict) and isinstance(op["value"].get("file"), str)
+               else op for op in intervention.get("ops") or []]
+        raw["intervention"] = {**intervention, "ops": ops}
+    return raw

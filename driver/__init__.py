@@ -11,7 +11,9 @@ interventions, and docs/ for steering, logit lens and activation patching exampl
 """
 
 from interlace import ops
+from interlace.cluster_client import Cluster, connect
 from interlace.model import Model, Trace
+from interlace.sweep import open_sweep
 from interlace.trace import InterventionError, InvokeResult, TraceResult, WorkerDied, batched
 
-__all__ = ["Model", "Trace", "TraceResult", "InvokeResult", "InterventionError", "WorkerDied", "batched", "ops"]
+__all__ = ["Model", "Cluster", "connect", "Trace", "TraceResult", "InvokeResult", "InterventionError", "WorkerDied", "batched", "ops", "open_sweep"]

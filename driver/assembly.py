@@ -30,7 +30,11 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
     replica's node-local folder).
     """
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
+    # Only the final output is read: an async engine (a replica) otherwise builds and yields every
+    # request's output at every step (vllm.LLM sets this itself).
+    settings = {"output_kind": RequestOutputKind.FINAL_ONLY, **settings}
     gang_size = sum(p is not None for p in payloads)
     requests, params = [], []
     for text_or_ids, payload in zip(prompts, payloads):

@@ -1,8 +1,12 @@
 """The main job on the embedded default: ``./dev demo`` (or ``python -m interlace.demo``).
 
-Starts a local CPU vLLM engine on the bundled tiny Llama, generates for a few prompts, then runs
-one trace with interventions: a logit lens over every layer, a steering vector as a declarative op,
-and activation patching between two invokes in the same forward pass.
+By default, the cluster demo: a local Ray cluster with two replicas of the bundled tiny Llama on
+CPU, a batch of traces with interventions spread across them (printing which replica served how
+many), and one large trace split across both whose shared value merges into one.
+
+``--local``: one local CPU vLLM engine, a few prompts, then one trace with interventions: a logit
+lens over every layer, a steering vector as a declarative op, and activation patching between two
+invokes in the same forward pass.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama", help="bundled config name or YAML path")
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--local", action="store_true", help="one local engine instead of a two-replica cluster")
+    parser.add_argument("--cluster", default="tiny-llama-2", help="bundled cluster config name or YAML path")
     args = parser.parse_args(argv)
+    if not args.local:
+        return cluster_demo(args.cluster, args.max_tokens)
 
     started = time.monotonic()
     with interlace.Model(args.model) as model:
@@ -69,6 +77,60 @@ def main(argv: list[str] | None = None) -> None:
         patched = model.tokenizer.decode([int(tr.result[3].saves["logits"][0].argmax())])
         print(f"patched: next token {patched!r} (clean run: {model.tokenizer.decode(tr.result[2].token_ids[:1])!r})")
     print(f"\ndone in {time.monotonic() - started:.0f}s")
+
+
+def cluster_demo(config: str, max_tokens: int) -> None:
+    import ray
+
+    started = time.monotonic()
+    # Engine logs go to Ray's log files, not the terminal.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    logs = ray._private.worker._global_node.get_logs_dir_path()  # noqa: SLF001 - where to look
+    print(f"starting a local Ray cluster and the replicas of {config!r} (engine logs: {logs})")
+    with interlace.Cluster(config) as cluster:
+        print(f"{len(cluster.status()['replicas'])} replicas up in {time.monotonic() - started:.0f}s")
+
+        def keep_last(m):
+            m.save("resid2", m.last(m.layers[2].resid))
+
+        vector = torch.randn(128, generator=torch.Generator().manual_seed(0)) * 3
+        print("\n== 40 traces at once: programs, steering ops, plain prompts")
+        before = _served(cluster)
+        futures = []
+        for i in range(40):
+            tr = cluster.trace(max_tokens=max_tokens)
+            prompt = f"{PROMPTS[i % len(PROMPTS)]} ({i})"
+            if i % 3 == 0:
+                tr.invoke(prompt, program=keep_last)
+            elif i % 3 == 1:
+                tr.invoke(prompt, ops=[ops.add("layers.1.resid", vector)])
+            else:
+                tr.invoke(prompt)
+            futures.append(cluster.submit(tr))
+        results = [f.result() for f in futures]
+        print(f"  {results[0][0].prompt!r} -> {results[0][0].text!r}, saved {tuple(results[0][0].saves['resid2'].shape)}")
+        print(f"  {results[1][0].prompt!r} (steered) -> {results[1][0].text!r}")
+        print("  traces per replica: " + ", ".join(f"replica {i}: {n - b}" for i, (n, b) in enumerate(zip(_served(cluster), before))))
+
+        @interlace.batched
+        def mean_resid(m):
+            m.share("mean_last", m.last(m.layers[2].resid), merge="mean")
+
+        print("\n== one trace of 64 invokes, split across the replicas, one shared mean")
+        before = _served(cluster)
+        with cluster.trace(max_tokens=1) as tr:
+            for i in range(64):
+                tr.invoke(f"Sample {i}: {PROMPTS[i % len(PROMPTS)]}", program=mean_resid)
+        shards = [n - b for n, b in zip(_served(cluster), before)]
+        print(f"  shards per replica: {shards}; merged mean over 64 invokes: shape "
+              f"{tuple(tr.result.shared['mean_last'].shape)}, norm {tr.result.shared['mean_last'].norm():.3f}")
+        print(f"\nstatus: {[(r['index'], r['state'], r['shards_served'], r['restarts']) for r in cluster.status()['replicas']]}")
+    ray.shutdown()
+    print(f"\ndone in {time.monotonic() - started:.0f}s")
+
+
+def _served(cluster) -> list[int]:
+    return [r["shards_served"] for r in cluster.status()["replicas"]]
 
 
 def _logit_lens(model: interlace.Model):

@@ -63,7 +63,7 @@ class Report:
     invoke: int
     stage: int  # pipeline stage (0 with no pipeline parallelism)
     attempt: int  # which run of the invoke's shard (a retried shard's reports have a higher one)
-    saves: Any  # {name: value}; on a cluster, a Ray object ref to that dict until resolved
+    saves: Any  # {name: value}; on a cluster, a SavesRef until the driver fetches it
     shared: list[Shared] = field(default_factory=list)
     error: ErrorRecord | None = None
 
@@ -77,6 +77,16 @@ class Report:
         ``trace`` renames it (a cluster shard's workers know it by the shard's own id)."""
         return cls(trace or report["trace"], report["invoke"], report["stage"], attempt, report["saves"],
                    [tuple(s) for s in report["shared"]], ErrorRecord.from_worker(report["error"]))
+
+
+@dataclass(frozen=True)
+class SavesRef:
+    """Where a cluster report's saves wait: entry ``index`` of the Ray object ``ref``. A replica
+    puts all of a shard's saves as one object, so a trace costs one put and one fetch per shard,
+    not per invoke."""
+
+    ref: Any  # ray.ObjectRef of a list of {name: value}
+    index: int
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""Cluster benchmark: what the Ray cluster costs, and what a second replica gives, in one run.
+
+Workload: one trace of N prompts x IN tokens, OUT generated tokens each, greedy, in two cases:
+``none`` (no intervention: the request path alone) and ``ops-save4`` (every invoke saves the last
+token's residual at 4 layers every step: reports, saves and the collector carry work). Llama-3.2-1B shape with random bf16 weights, or ``--tiny``: the
+bundled tiny Llama (CPU). Two phases, each paired like bench/runner_bench.py (new prompts per
+pair, the same for both sides; which side runs first alternates by round; a figure is the median
+of the pairs' ratios):
+
+    overhead   a one-replica interlace.Cluster against the bare interlace.Model, both up side by
+               side on the same device (GPU: the same GPU; CPU: the same core): cluster tok/s /
+               Model tok/s, per case. Target on a GPU: >= 0.95.
+    scaling    a two-replica cluster: the trace split across both replicas against the same trace
+               kept whole on one of them (min_shard_invokes past N). Target: >= 1.9x with one GPU
+               per replica; on a machine with one GPU the two replicas share it (half a GPU each),
+               and on CPU each replica has one core: reported as such. Case ops-save4.
+
+Usage: python bench/cluster_bench.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--tiny]
+       [--phases overhead,scaling]
+GPU machines: bash bench/gpu_session.sh python3 bench/cluster_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+
+from runner_bench import MODEL_DIR, config, interlace_cases, make_model_dir, prompts
+
+
+def run_trace(target, data, out: int, case: dict) -> tuple[float, int]:
+    started = time.perf_counter()
+    with target.trace(max_tokens=out, ignore_eos=True, timeout_s=3600) as tr:
+        for p in data:
+            tr.invoke(p, **case)
+    return time.perf_counter() - started, sum(len(r.token_ids) for r in tr.result)
+
+
+def paired(name: str, sides: dict, data_for, repeats: int) -> dict:
+    """Alternate the two sides over ``repeats`` rounds on fresh prompts; ratios second / first."""
+    (base_name, base), (other_name, other) = sides.items()
+    rates: dict[str, list[float]] = {base_name: [], other_name: []}
+    ratios = []
+    for round_ in range(repeats):
+        data = data_for()
+        order = [(base_name, base), (other_name, other)][:: 1 if round_ % 2 == 0 else -1]
+        timed = {}
+        for side, run in order:
+            seconds, tokens = run(data)
+            timed[side] = tokens / seconds
+            rates[side].append(timed[side])
+        ratios.append(timed[other_name] / timed[base_name])
+        print(json.dumps({"phase": name, "round": round_, **{f"{k}_tok_s": round(v) for k, v in timed.items()},
+                          "ratio": round(ratios[-1], 3)}), flush=True)
+    return {"phase": name, "base": base_name, "other": other_name, "base_tok_s": statistics.median(rates[base_name]),
+            "other_tok_s": statistics.median(rates[other_name]), "ratio": statistics.median(ratios),
+            "min": min(ratios), "max": max(ratios)}
+
+
+def cluster_config(cfg, replicas: int, gpus: int):
+    from interlace.cluster.config import ClusterConfig, ResourcesConfig
+
+    if gpus:  # one GPU per replica where there are enough, else the replicas share GPU 0
+        per_rank = 1.0 if gpus >= replicas else 1.0 / replicas
+        return ClusterConfig(model=cfg, replicas=replicas, resources=ResourcesConfig(num_gpus=per_rank),
+                             max_in_flight=4)
+    return ClusterConfig(model=cfg, replicas=replicas, max_in_flight=4, cpu_cores=[[i] for i in range(replicas)])
+
+
+def placement(gpus: int, replicas: int) -> str:
+    if not gpus:
+        return f"CPU, one core per replica ({os.cpu_count()} cores)"
+    return f"one GPU per replica ({gpus} GPUs)" if gpus >= replicas else f"{replicas} replicas sharing one GPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--in", dest="inp", type=int, default=128)
+    parser.add_argument("--out", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed pairs per phase")
+    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
+    parser.add_argument("--phases", default="overhead,scaling")
+    args = parser.parse_args()
+    args.tp = args.pp = 1
+
+    import ray
+    import torch
+
+    import interlace
+
+    gpus = torch.cuda.device_count()
+    if not gpus:
+        os.environ["INTERLACE_CPU_CORES"] = "0"  # the bare Model on the core the one-replica cluster gets
+    if not args.tiny:
+        make_model_dir(MODEL_DIR)
+    cfg = config(args)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    seeds = itertools.count(1)
+    results = []
+
+    model = interlace.Model(cfg)
+    hf = model.engine.llm_engine.model_config.hf_config
+    vocab = min(1000, hf.vocab_size)
+    cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
+    case = cases["ops-save4"]
+    fresh = lambda: prompts(args.n, args.inp, vocab, seed=next(seeds))  # noqa: E731
+    phases = args.phases.split(",")
+
+    if "overhead" in phases:
+        one = interlace.Cluster(cluster_config(cfg, 1, gpus))
+        run_trace(model, fresh(), args.out, case)  # warm-ups at full size
+        run_trace(one, fresh(), args.out, case)
+        for name in ("none", "ops-save4"):
+            results.append(paired(f"overhead {name}", {
+                "model": lambda d, c=cases[name]: run_trace(model, d, args.out, c),
+                "cluster-1": lambda d, c=cases[name]: run_trace(one, d, args.out, c)},
+                fresh, args.repeats) | {"where": placement(gpus, 1)})
+        one.close()
+    model.close()
+
+    if "scaling" in phases:
+        two = interlace.Cluster(cluster_config(cfg, 2, gpus))
+        split = two.config
+        whole = split.model_copy(update={"min_shard_invokes": args.n + 1})  # one shard: one replica
+
+        def on(config):
+            def run(data):
+                two.config = config  # read per trace by the shard planner
+                return run_trace(two, data, args.out, case)
+            return run
+
+        on(split)(fresh())  # warm-up: both replicas at full size
+        results.append(paired("scaling ops-save4", {"1-replica": on(whole), "2-replicas": on(split)},
+                              fresh, args.repeats) | {"where": placement(gpus, 2)})
+        two.close()
+    ray.shutdown()
+
+    device = torch.cuda.get_device_name(0) if gpus else "CPU"
+    print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {cfg.name} ({cfg.dtype}), {device}; "
+          f"{args.repeats} pairs per phase")
+    print(f"{'phase, case':18} {'base':>10} {'tok/s':>9} {'other':>11} {'tok/s':>9} {'ratio':>6} {'min':>6} {'max':>6}  placement")
+    for r in results:
+        print(f"{r['phase']:18} {r['base']:>10} {r['base_tok_s']:9.0f} {r['other']:>11} {r['other_tok_s']:9.0f} "
+              f"{r['ratio']:6.2f} {r['min']:6.2f} {r['max']:6.2f}  {r['where']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""An engine replica: a Ray actor hosting one vLLM ``AsyncLLM`` with interlace installed.
+
+The driver places each replica on a placement group of one bundle per TP x PP rank (its ranks are
+the engine's own multiprocessing workers, on the actor's node) and sends it trace shards
+(:class:`interlace.wire.ShardTask`). Many shards run at once: every invoke is one request to the
+async engine, and a shard's requests are gathered together. The workers write reports to a
+``dir:`` sink in a node-local folder chosen here at start-up; the replica reads each shard's
+reports as they appear and forwards them to the collector, saved tensors as object refs
+(``ray.put``; the collector only passes the refs on, the driver fetches them from this node's
+object store): no file system is shared between nodes. The refs are owned by this actor, so a
+replica that dies before the driver fetched them loses them: the driver then re-runs the trace.
+
+A dead engine (its engine-core or a worker process killed) ends the actor's process: Ray restarts
+the actor (``max_restarts``), the calls it held fail on the driver, and the driver re-runs those
+shards as a new attempt on a live replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from interlace.cluster.config import ModelConfig
+from interlace.wire import Completion, Report, SavesRef, ShardTask
+
+REPORT_GRACE_S = 30.0  # how long to wait for a shard's reports after its generation ended
+_POLL_S = 0.005
+
+
+class Replica:
+    """Use through :func:`replica_actor`; ``ready()`` starts the engine (idempotent)."""
+
+    def __init__(self, config: dict, index: int, collector, name: str, overrides: dict | None = None):
+        from interlace.model import _fast_tmp
+
+        self.config = ModelConfig.model_validate(config)
+        self.index = index
+        self.collector = collector
+        self.overrides = overrides or {}
+        from interlace.cluster.janitor import remove_on_exit
+
+        # Node-local and chosen here: the workers of this engine run on this node. One folder per
+        # actor process, removed when the process ends however it ends (a restart after a dead
+        # engine, or Ray killing the actor because its driver disconnected).
+        self.sink_root = Path(_fast_tmp() or tempfile.gettempdir()) / f"interlace-{name}-{os.getpid()}"
+        self.sink_root.mkdir(parents=True)
+        remove_on_exit(self.sink_root)
+        self._engine = None
+        self._starting: asyncio.Lock | None = None
+        self._module_names: list[str] = []
+        self.in_flight = 0
+        self.max_in_flight_seen = 0
+        self.shards_served = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def ready(self) -> dict[str, Any]:
+        """Start the engine if it is not up; the replica's facts for the driver."""
+        await self._engine_up()
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"index": self.index, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "in_flight": self.in_flight, "max_in_flight_seen": self.max_in_flight_seen,
+                "shards_served": self.shards_served, "engine_pids": self.engine_pids(),
+                "module_names": self._module_names}
+
+    def engine_pids(self) -> list[int]:
+        """The engine's processes (engine core first, then its workers): this actor's descendants."""
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+
+    def shutdown(self) -> None:
+        from interlace.cluster.engine import shutdown_engine
+
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            shutdown_engine(engine)
+        shutil.rmtree(self.sink_root, ignore_errors=True)
+
+    async def _engine_up(self):
+        if self._engine is None:
+            self._starting = self._starting or asyncio.Lock()
+            async with self._starting:
+                if self._engine is None:
+                    from interlace.cluster.engine import start_async_engine
+
+                    engine = await start_async_engine(self.config, **self.overrides)
+                    from interlace.cluster.engine import all_module_names
+
+                    self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
+                    self._engine = engine
+        return self._engine
+
+    # --- shards ------------------------------------------------------------------------------
+
+    async def run(self, task: ShardTask) -> list[Completion]:
+        """Run one shard: generate every invoke, forward its reports to the collector, return the
+        completions (in the shard's invoke order)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        engine = await self._engine_up()
+        self.in_flight += 1
+        self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
+        try:
+            return await self._run(engine, task)
+        except EngineDeadError:
+            self._die(f"engine died while running shard {task.wire_trace}")
+        finally:
+            self.in_flight -= 1
+            self.shards_served += 1
+
+    async def _run(self, engine, task: ShardTask) -> list[Completion]:
+        from interlace.assembly import build_requests
+
+        wire = task.wire_trace
+        prompts, params = build_requests(task.prompts, task.payloads, task.settings, wire,
+                                         sink=f"dir:{self.sink_root}")
+        ids = [f"{wire}-{p.invoke if p is not None else i}" for i, p in enumerate(task.payloads)]
+        outputs = await asyncio.gather(*(_final(engine.generate(prompt, param, rid))
+                                         for prompt, param, rid in zip(prompts, params, ids)))
+        expected = set(task.expected())
+        if expected:
+            reports = await self._reports(task, expected)
+            try:
+                await self.collector.report.remote(reports)
+            except Exception as exc:  # noqa: BLE001 - a restarted collector: the driver re-runs the trace
+                print(f"interlace replica {self.index}: the collector did not take {wire}'s reports: {exc!r}", flush=True)
+        return [Completion.from_vllm(out) for out in outputs]
+
+    async def _reports(self, task: ShardTask, expected: set[tuple[int, int]]) -> list[Report]:
+        """The shard's reports from the sink folder, saves in one object of this replica's
+        (:class:`SavesRef`; the collector passes the refs on, the driver fetches the object once)."""
+        import ray
+
+        from interlace.assembly import ReportWatcher
+
+        watcher = ReportWatcher(self.sink_root, task.wire_trace, expected, REPORT_GRACE_S)
+        watcher.poll()
+        while not watcher.done:
+            await asyncio.sleep(_POLL_S)
+            watcher.poll()
+        reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
+        saving = [r for r in reports if r.saves]
+        if saving:  # compact copies: the saves are views of the mapped report files
+            ref = ray.put([_compact(r.saves) for r in saving])
+            for index, report in enumerate(saving):
+                report.saves = SavesRef(ref, index)
+        shutil.rmtree(watcher.folder, ignore_errors=True)
+        return reports
+
+    async def run_here(self, task: ShardTask) -> tuple[list[Completion], list[Report]]:
+        """Run one shard for a caller in this process, without a collector: its completions and
+        its reports, saves as tensors here. A sweep's shard writer hosts a Replica this way, so
+        saved tensors go from the workers to the shard's files on this node."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from interlace.assembly import ReportWatcher, build_requests
+
+        engine = await self._engine_up()
+        self.in_flight += 1
+        self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
+        try:
+            wire = task.wire_trace
+            prompts, params = build_requests(task.prompts, task.payloads, task.settings, wire,
+                                             sink=f"dir:{self.sink_root}")
+            ids = [f"{wire}-{p.invoke if p is not None else i}" for i, p in enumerate(task.payloads)]
+            outputs = await asyncio.gather(*(_final(engine.generate(prompt, param, rid))
+                                             for prompt, param, rid in zip(prompts, params, ids)))
+            watcher = ReportWatcher(self.sink_root, wire, set(task.expected()), REPORT_GRACE_S)
+            watcher.poll()
+            while not watcher.done:
+                await asyncio.sleep(_POLL_S)
+                watcher.poll()
+            # Compact copies: the saves are views of the mapped report files removed below.
+            reports = [Report.from_worker({**raw, "saves": _compact(raw["saves"])}, trace=task.trace,
+                                          attempt=task.attempt) for raw in watcher.reports]
+            shutil.rmtree(watcher.folder, ignore_errors=True)
+            return [Completion.from_vllm(out) for out in outputs], reports
+        except EngineDeadError:
+            self._die(f"engine died while running shard {task.wire_trace}")
+        finally:
+            self.in_flight -= 1
+            self.shards_served += 1
+
+    def _die(self, why: str) -> None:
+        """End this process (and what is left of the engine's) so Ray restarts the actor."""
+        import psutil
+
+        print(f"interlace replica {self.index}: {why}; exiting for a restart", flush=True)
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(self.sink_root, ignore_errors=True)
+        os._exit(1)
+
+
+async def _final(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+def _compact(value: Any) -> Any:
+    """``value`` with every tensor copied to its own storage (a view pickles its whole base)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_compact(v) for v in value)
+    return value
+
+
+def replica_actor(placement_group, max_in_flight: int, cores: list[int] | None, max_restarts: int = -1,
+                  num_gpus: float = 0.0):
+    """The Replica class as a Ray actor on ``placement_group``'s first bundle. The actor itself
+    takes a sliver of a CPU: its ranks' bundles hold the replica's compute. ``num_gpus``: the
+    GPUs of a one-rank replica's bundle, taken by the actor so that Ray points its engine at them
+    (``CUDA_VISIBLE_DEVICES``)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if cores:
+        env["INTERLACE_CPU_CORES"] = ",".join(map(str, cores))
+    return ray.remote(Replica).options(
+        num_cpus=0.01,
+        num_gpus=num_gpus,
+        max_restarts=max_restarts,
+        max_task_retries=0,  # the driver re-runs a dead replica's shards itself, as new attempts
+        max_concurrency=max_in_flight + 16,  # plus status calls
+        runtime_env={"env_vars": env},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=0,
+            placement_group_capture_child_tasks=True),
+    )

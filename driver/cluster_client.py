@@ -1,0 +1,433 @@
+"""A model served by engine replicas on a Ray cluster, with the trace API of ``interlace.Model``.
+
+    >>> import interlace
+    >>> cluster = interlace.Cluster("tiny-llama-2")        # a local Ray, two CPU replicas
+    >>> with cluster.trace(max_tokens=4) as tr:            # exactly as with interlace.Model
+    ...     tr.invoke("Hello", program=lambda m: m.save("h", m.layers[1].resid))
+    >>> tr.result[0].saves["h"].shape
+
+Many traces in flight: ``submit`` returns a ``concurrent.futures.Future`` at once::
+
+    >>> futures = []
+    >>> for prompt in prompts:
+    ...     tr = cluster.trace(max_tokens=8)
+    ...     tr.invoke(prompt, ops=[interlace.ops.save("layers.2.resid")])
+    ...     futures.append(cluster.submit(tr))
+    >>> results = [f.result() for f in futures]
+    >>> cluster.status()                                    # replicas, in flight, restarts, queue
+    >>> cluster.close()                                     # no actors or placement groups left
+
+``interlace.connect("auto")`` joins a running Ray cluster instead (``"ray://host:10001"``, or no
+address for a local one).
+
+How a trace runs: the driver validates and encodes it (programs by value), splits a large trace's
+independent invokes into shards (:func:`plan_shards`), announces the trace's expected reports to
+the collector actor, and sends each shard to the replica with the least outstanding work that has
+room (at most ``max_in_flight`` shards per replica; ``submit`` waits once ``max_queued`` traces
+are held). Replicas return the tokens; reports go from replicas straight to the collector, which
+hands them over once complete, shared values merged. A shard whose replica died is re-run on a
+live one as a new attempt (the collector counts each report once, newest attempt only); a trace
+the collector lost (restarted) is re-run whole. Each future resolves once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import sys
+import sysconfig
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import cloudpickle
+
+from interlace.assembly import assemble
+from interlace.cluster.config import ClusterConfig
+from interlace.model import Model, Trace
+from interlace.trace import Invoke, TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
+from interlace.wire import Completion, InvokePayload, SavesRef, ShardTask
+from interlace.workers.points import ModuleTree
+
+_TAKE_TIMEOUT_S = 120.0  # a trace whose shards all returned yet reports stay missing this long fails
+_COLLECTOR_RESTART_S = 120.0  # how long a call waits for a restarting collector
+
+
+@dataclasses.dataclass
+class _ReplicaSlot:
+    """The driver's view of one replica."""
+
+    index: int
+    actor: Any
+    placement_group: Any
+    state: str = "starting"  # starting | alive | restarting | dead
+    in_flight: int = 0  # shards running on it now
+    work: int = 0  # invokes of those shards
+    restarts: int = 0
+    shards: int = 0  # shards it returned
+    node: str | None = None
+    pid: int | None = None
+
+
+class Cluster:
+    """Engine replicas of one model on a Ray cluster; see the module docstring.
+
+    ``config``: a bundled cluster config name (``"tiny-llama-2"``), a YAML path, or a
+    :class:`~interlace.cluster.config.ClusterConfig`. ``address``: the Ray cluster to join when
+    Ray is not initialized in this process yet (None: start a local one; ``"auto"``;
+    ``"ray://host:10001"``). ``ray_init``: further ``ray.init`` arguments for that case.
+    """
+
+    trace = Model.trace
+    generate = Model.generate
+
+    def __init__(self, config: str | Path | ClusterConfig = "tiny-llama-2", address: str | None = None,
+                 ray_init: dict | None = None, **engine_overrides: Any):
+        import ray
+
+        from interlace.cluster.engine import refuse_graph_settings
+
+        self.config = ClusterConfig.load(config)
+        # As Model does: refused here, before Ray or any replica starts.
+        refuse_graph_settings({**self.config.model.engine_args, **engine_overrides})
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=address or "local", include_dashboard=False, **(ray_init or {}))
+        self.name = f"interlace-{uuid.uuid4().hex[:8]}"
+        self._queue = threading.BoundedSemaphore(self.config.max_queued)
+        self._held = 0  # traces queued or running
+        self._reruns = 0  # whole-trace re-runs after the collector lost a trace's reports
+        self._count_lock = threading.Lock()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="interlace-cluster", daemon=True)
+        self._thread.start()
+        self._replicas: list[_ReplicaSlot] = []
+        try:
+            self._call(self._start(engine_overrides))
+        except BaseException:
+            self.close()
+            raise
+
+    # --- start and stop ----------------------------------------------------------------------
+
+    async def _start(self, engine_overrides: dict) -> None:
+        from ray.util.placement_group import placement_group
+
+        from interlace.cluster.collector import start_collector
+        from interlace.cluster.replica import replica_actor
+
+        cfg = self.config
+        self._room = asyncio.Condition()
+        self.collector = start_collector()
+        bundles = [cfg.resources.bundle()] * cfg.model.world_size
+        for index in range(cfg.replicas):
+            group = placement_group(bundles, strategy=cfg.placement_strategy, name=f"{self.name}-r{index}")
+            self._replicas.append(_ReplicaSlot(index, None, group))
+        for slot in self._replicas:
+            await slot.placement_group.ready()
+            cores = cfg.cpu_cores[slot.index % len(cfg.cpu_cores)] if cfg.cpu_cores else None
+            # A one-rank replica's actor takes its bundle's GPU, so Ray points the engine at it. (With
+            # TP x PP ranks the engine's own workers need every bundle's GPU: not mapped yet.)
+            gpus = cfg.resources.num_gpus if cfg.model.world_size == 1 else 0.0
+            slot.actor = replica_actor(slot.placement_group, cfg.max_in_flight, cores, num_gpus=gpus).remote(
+                cfg.model.model_dump(), slot.index, self.collector, f"{self.name}-r{slot.index}", engine_overrides)
+        infos = await asyncio.gather(*(slot.actor.ready.remote() for slot in self._replicas))
+        for slot, info in zip(self._replicas, infos):
+            slot.state, slot.node, slot.pid = "alive", info["node"], info["pid"]
+        self.tree = ModuleTree(names=infos[0]["module_names"])
+
+    def close(self) -> None:
+        """Stop the replicas and the collector, remove their placement groups (and the local Ray
+        this handle started)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):  # traces still running fail with CancelledError
+            self._call(_cancel_tasks(), timeout=10)
+        for slot in self._replicas:
+            if slot.actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.get(slot.actor.shutdown.remote(), timeout=30)
+                ray.kill(slot.actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                remove_placement_group(slot.placement_group)
+        if getattr(self, "collector", None) is not None:
+            ray.kill(self.collector, no_restart=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- traces ------------------------------------------------------------------------------
+
+    def submit(self, trace: Trace) -> concurrent.futures.Future:
+        """Run ``trace`` (built with ``cluster.trace()`` and ``tr.invoke(...)``, outside a ``with``
+        block) asynchronously: a future of its :class:`TraceResult`, or of its error. Waits while
+        ``max_queued`` traces are held."""
+        if self._closed:
+            raise RuntimeError("this cluster is closed; make a new interlace.Cluster(...)")
+        check_trace(trace.invokes, trace.settings, self.tree)  # the very checks Model makes
+        trace_id = new_trace_id()
+        with _programs_by_value(inv.program for inv in trace.invokes):
+            payloads = encode_payloads(trace.invokes, trace_id, "", trace.timeout_s, trace.max_save_bytes)
+        self._queue.acquire()
+        with self._count_lock:
+            self._held += 1
+        future = asyncio.run_coroutine_threadsafe(self._run_trace(trace_id, trace, payloads), self._loop)
+        future.add_done_callback(self._release_queue)
+        return future
+
+    def _release_queue(self, _future) -> None:
+        with self._count_lock:
+            self._held -= 1
+        self._queue.release()
+
+    def _run(self, trace: Trace) -> TraceResult:
+        return self.submit(trace).result()
+
+    async def _run_trace(self, trace_id: str, trace: Trace, payloads: list[InvokePayload | None]) -> TraceResult:
+        try:
+            return await self._run_trace_once(trace_id, trace, payloads)
+        except BaseException:
+            with contextlib.suppress(Exception):  # its reports, if any came, are freed
+                self.collector.drop.remote(trace_id)
+            raise
+
+    async def _run_trace_once(self, trace_id: str, trace: Trace, payloads: list[InvokePayload | None]) -> TraceResult:
+        attempts = itertools.count()  # unique per dispatch of any of the trace's shards
+        stages = self.config.model.pipeline_parallel_size
+        shards = plan_shards(trace.invokes, payloads, len(self._replicas), self.config.min_shard_invokes)
+        for _rerun in range(self.config.max_retries + 1):
+            tasks = [ShardTask(trace_id, n, 0, [trace.invokes[i].prompt for i in indices],
+                               [payloads[i] for i in indices], trace.settings, stages)
+                     for n, indices in enumerate(shards)]
+            if _rerun:
+                self._reruns += 1
+            await self._tell_collector("expect", trace_id, [k for t in tasks for k in t.expected()], 0)
+            outputs = await asyncio.gather(*(self._run_shard(task, attempts) for task in tasks))
+            completions: list[Completion | None] = [None] * len(trace.invokes)
+            for indices, shard_out in zip(shards, outputs):
+                for i, done in zip(indices, shard_out):
+                    completions[i] = done
+            delivered = await self._take(trace_id)
+            if delivered is not None:
+                return assemble(trace.invokes, completions, delivered.reports, delivered.shared)
+        raise WorkerDied(f"trace {trace_id}: its reports were lost {self.config.max_retries + 1} times "
+                         "(the collector restarted each time); giving up")
+
+    async def _tell_collector(self, method: str, *args: Any) -> None:
+        """Call the collector, waiting while Ray restarts it. A call its dying process took is
+        lost with its state; the trace's ``take`` then answers None and the trace runs again."""
+        import ray
+
+        deadline = asyncio.get_running_loop().time() + _COLLECTOR_RESTART_S
+        while True:
+            try:
+                return await getattr(self.collector, method).remote(*args)
+            except ray.exceptions.ActorDiedError:
+                raise WorkerDied("the collector actor died for good (past its restarts); make a new Cluster") from None
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    async def _take(self, trace_id: str):
+        """The trace's reports with their saves fetched; None: lost (re-run the trace)."""
+        import ray
+
+        try:
+            delivered = await self.collector.take.remote(trace_id, _TAKE_TIMEOUT_S)
+            if delivered is None:
+                return None
+            reports = [r for rs in delivered.reports.values() for r in rs]
+            refs = list(dict.fromkeys(r.saves.ref for r in reports if isinstance(r.saves, SavesRef)))
+            values = dict(zip(refs, await asyncio.gather(*refs)))  # one object per shard
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.ActorUnavailableError):
+            return None  # the collector died (its objects with it): the trace runs again
+        for report in reports:
+            if isinstance(report.saves, SavesRef):
+                report.saves = values[report.saves.ref][report.saves.index]
+        if delivered.merge_error is not None:
+            raise ValueError(delivered.merge_error)
+        return delivered
+
+    async def _run_shard(self, task: ShardTask, attempts: Iterable[int]) -> list[Completion]:
+        import ray
+
+        size = len(task.prompts)
+        for tries in range(self.config.max_retries + 1):
+            attempt = next(attempts)
+            task = dataclasses.replace(task, attempt=attempt)
+            if tries:
+                await self._tell_collector("retry", task.trace, task.expected(), attempt)
+            slot = await self._acquire(size)
+            try:
+                out = await slot.actor.run.remote(task)
+                slot.shards += 1
+                return out
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                self._replica_failed(slot)
+            finally:
+                await self._release(slot, size)
+        raise WorkerDied(f"trace {task.trace}: shard {task.shard} lost its replica "
+                         f"{self.config.max_retries + 1} times (max_retries={self.config.max_retries}); giving up")
+
+    # --- routing -----------------------------------------------------------------------------
+
+    async def _acquire(self, size: int) -> _ReplicaSlot:
+        """The live replica with the least outstanding work that has room; waits for one."""
+        async with self._room:
+            while True:
+                open_ = [s for s in self._replicas if s.state == "alive" and s.in_flight < self.config.max_in_flight]
+                if open_:
+                    slot = min(open_, key=lambda s: (s.work, s.in_flight, s.index))
+                    slot.in_flight += 1
+                    slot.work += size
+                    return slot
+                if all(s.state == "dead" for s in self._replicas):
+                    raise WorkerDied("every replica is dead (each past its restarts); make a new Cluster")
+                await self._room.wait()
+
+    async def _release(self, slot: _ReplicaSlot, size: int) -> None:
+        async with self._room:
+            slot.in_flight -= 1
+            slot.work -= size
+            self._room.notify_all()
+
+    def _replica_failed(self, slot: _ReplicaSlot) -> None:
+        if slot.state == "alive":
+            slot.state, slot.restarts = "restarting", slot.restarts + 1
+            self._loop.create_task(self._await_restart(slot))
+
+    async def _await_restart(self, slot: _ReplicaSlot) -> None:
+        """Ray restarts the actor (``max_restarts``); its engine starts on ``ready()``."""
+        import ray
+
+        for _ in range(10):
+            try:
+                info = await slot.actor.ready.remote()
+            except ray.exceptions.ActorDiedError:
+                break  # past its restarts
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                await asyncio.sleep(1.0)
+                continue
+            async with self._room:
+                slot.state, slot.node, slot.pid = "alive", info["node"], info["pid"]
+                self._room.notify_all()
+            return
+        async with self._room:
+            slot.state = "dead"
+            self._room.notify_all()
+
+    # --- status ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Replicas (state, node, shards in flight, restarts, shards served), queue depth, and how
+        many traces ran again whole because the collector lost their reports (it restarted)."""
+        return {
+            "replicas": [{"index": s.index, "state": s.state, "node": s.node, "pid": s.pid,
+                          "in_flight": s.in_flight, "restarts": s.restarts, "shards_served": s.shards}
+                         for s in self._replicas],
+            "queued": self._held - sum(s.in_flight for s in self._replicas),
+            "held": self._held,
+            "reruns": self._reruns,
+        }
+
+    def replica_info(self) -> list[dict]:
+        """Each replica's own report (pid, engine pids, the most shards it ever ran at once)."""
+        import ray
+
+        return ray.get([s.actor.info.remote() for s in self._replicas])
+
+    def _call(self, coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def connect(address: str | None = None, config: str | Path | ClusterConfig = "tiny-llama-2", **kwargs: Any) -> Cluster:
+    """A :class:`Cluster` on the Ray cluster at ``address`` ("auto", "ray://host:10001"; None:
+    start a local Ray)."""
+    return Cluster(config, address=address, **kwargs)
+
+
+def plan_shards(invokes: Sequence[Invoke], payloads: Sequence[InvokePayload | None], replicas: int,
+                min_shard: int) -> list[list[int]]:
+    """Split a trace's invoke indices into at most ``replicas`` shards of at least ``min_shard``.
+
+    Invokes joined by ``send``/``recv`` must share a step on one engine; a program's use of them
+    cannot be known for sure, so the rule is conservative: plain and ops-only invokes are
+    independent, and so are invokes of a ``@interlace.batched`` program whose code names neither
+    ``send`` nor ``recv``; every other program invoke stays in the first shard, together.
+    """
+    count = min(replicas, len(invokes) // min_shard)
+    if count <= 1:
+        return [list(range(len(invokes)))]
+    joined = [i for i, inv in enumerate(invokes) if inv.program is not None and not _independent(inv.program)]
+    free = [i for i in range(len(invokes)) if i not in set(joined)]
+    target = -(-len(invokes) // count)
+    first = joined + free[:max(0, target - len(joined))]
+    rest = free[len(first) - len(joined):]
+    per = -(-len(rest) // (count - 1)) if rest else 1
+    shards = [sorted(first)] + [rest[k:k + per] for k in range(0, len(rest), per)]
+    return [s for s in shards if s]
+
+
+def _independent(program: Callable) -> bool:
+    if not getattr(program, "__interlace_batched__", False):
+        return False
+    code = getattr(program, "__code__", None)
+    return code is not None and not ({"send", "recv"} & _names(code))
+
+
+def _names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names
+
+
+_BY_VALUE = threading.Lock()
+_INSTALLED = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+
+
+@contextlib.contextmanager
+def _programs_by_value(programs: Iterable[Callable | None]):
+    """Pickle the programs' own modules by value while encoding: a replica's processes cannot
+    import a user's script or test module (installed packages, interlace included, stay by
+    reference: the cluster's nodes have them)."""
+    modules = set()
+    for program in programs:
+        module = sys.modules.get(getattr(program, "__module__", None) or "")
+        path = getattr(module, "__file__", None)
+        if module is not None and path and module.__name__ != "__main__" and not module.__name__.startswith("interlace") \
+                and not str(Path(path).resolve()).startswith(_INSTALLED):
+            modules.add(module)
+    with _BY_VALUE:
+        for module in modules:
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            yield
+        finally:
+            for module in modules:
+                cloudpickle.unregister_pickle_by_value(module)

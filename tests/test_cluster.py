@@ -1,0 +1,235 @@
+"""The Ray cluster: two CPU replicas of the tiny Llama, a collector, results equal to one engine.
+
+One local Ray (started here, shut down at the end) with 2 logical CPUs: each replica's one rank
+takes a bundle of 1 CPU and its engine is bound to its own core (replica 0 to core 0, replica 1
+to core 1); the replica actors take 0.01 CPU each and the collector none. The single-engine
+reference is the session's ``llama`` Model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+import interlace
+from interlace import ops
+from interlace.cluster.config import ClusterConfig
+from interlace.cluster_client import plan_shards
+from interlace.trace import Invoke
+
+MAX_IN_FLIGHT = 4
+ATOL = 1e-4
+
+STEER = torch.linspace(-0.5, 0.5, 128)
+
+
+def keep(m):
+    m.save("r1", m.layers[1].resid)
+    m.save("logits", m.logits)
+
+
+def steer_and_share(m):
+    m.layers[1].resid += 0.25
+    m.save("r2", m.layers[2].resid)
+    m.share("total", m.layers[2].resid.sum(), merge="sum")
+
+
+@interlace.batched
+def pooled(m):
+    last = m.last(m.layers[2].resid)  # [invokes here, hidden]
+    m.save("last", last)
+    m.share("sum", last, merge="sum")  # one row per invoke: each invoke contributes its own
+    m.share("mean", last, merge="mean")
+    m.share("rows", last, merge="concat")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=400 << 20)
+    config = ClusterConfig(model="tiny-llama", replicas=2, max_in_flight=MAX_IN_FLIGHT, cpu_cores=[[0], [1]])
+    handle = interlace.Cluster(config)
+    pids = [info["pid"] for info in handle.replica_info()]
+    yield handle
+    handle.close()
+    ray.shutdown()
+    time.sleep(1)
+    assert not [pid for pid in pids if psutil.pid_exists(pid)], "replica processes left behind"
+
+
+def build(target, i: int):
+    """Trace number ``i`` of a mixed workload: programs, declarative ops, plain invokes."""
+    tr = target.trace(max_tokens=3 + i % 3)
+    kind = i % 4
+    if kind == 0:
+        tr.invoke(f"The number {i} is", program=keep)
+    elif kind == 1:
+        tr.invoke(f"Once upon a time {i}", ops=[ops.add("layers.1.resid", STEER), ops.save("layers.3.resid")])
+    elif kind == 2:
+        tr.invoke(f"Steer {i}", program=steer_and_share)
+        tr.invoke(f"Plain {i}")
+        tr.invoke([5, 6, 7, i % 50 + 10], program=steer_and_share)
+    else:
+        tr.invoke(f"Only plain {i}")
+    return tr
+
+
+def assert_same(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.saves.keys() == w.saves.keys()
+        for name in w.saves:
+            torch.testing.assert_close(g.saves[name], w.saves[name], atol=ATOL, rtol=ATOL)
+    assert got.shared.keys() == want.shared.keys()
+    for name in want.shared:
+        torch.testing.assert_close(got.shared[name], want.shared[name], atol=1e-3, rtol=1e-4)
+
+
+def reference(llama, count: int) -> list:
+    out = []
+    for i in range(count):
+        tr = build(llama, i)
+        out.append(tr.run())
+    return out
+
+
+def test_two_replicas_serve_a_mixed_workload_equal_to_one_engine(cluster, llama):
+    count = 208
+    futures = [cluster.submit(build(cluster, i)) for i in range(count)]
+    results = [f.result(timeout=300) for f in futures]
+    for got, want in zip(results, reference(llama, count)):
+        assert_same(got, want)
+    served = [r["shards_served"] for r in cluster.status()["replicas"]]
+    assert all(n > count // 8 for n in served), served  # both replicas did real work
+
+
+def test_a_large_trace_is_split_across_replicas_and_its_shared_values_merge(cluster, llama):
+    prompts = [f"Sample {i} of the sweep" for i in range(64)]
+    invokes = [Invoke(p, pooled) for p in prompts]
+    assert [len(s) for s in plan_shards(invokes, [None] * 64, 2, cluster.config.min_shard_invokes)] == [32, 32]
+    before = [r["shards_served"] for r in cluster.replica_info()]
+    results = []
+    for target in (cluster, llama):
+        with target.trace(max_tokens=2) as tr:
+            for p in prompts:
+                tr.invoke(p, program=pooled)
+        results.append(tr.result)
+    after = [r["shards_served"] for r in cluster.replica_info()]
+    assert all(a == b + 1 for a, b in zip(after, before)), (before, after)  # one shard on each
+    got, want = results
+    assert_same(got, want)
+    assert got.shared["rows"].numel() == 64 * 2 * 128  # every invoke's last row, at both steps
+
+
+def test_the_collector_counts_a_duplicated_or_stale_report_once(cluster):
+    import ray
+
+    from interlace.cluster.collector import start_collector
+    from interlace.wire import Report
+
+    collector = start_collector()
+    try:
+        ray.get(collector.expect.remote("t1", [(0, 0), (1, 0)]))
+        first = Report("t1", 0, 0, 0, {}, [("n", "sum", 1.0)])
+        assert ray.get(collector.report.remote([first])) == 1
+        assert ray.get(collector.report.remote([first])) == 0  # replayed: dropped
+        ray.get(collector.report.remote([Report("t1", 1, 0, 0, {}, [("n", "sum", 100.0)])]))
+        ray.get(collector.retry.remote("t1", [(1, 0)], 1))  # invoke 1 re-run: its attempt 0 no longer counts
+        ray.get(collector.report.remote([Report("t1", 1, 0, 0, {}, [("n", "sum", 100.0)])]))  # stale
+        ray.get(collector.report.remote([Report("t1", 1, 0, 1, {}, [("n", "sum", 2.0)])]))
+        ray.get(collector.report.remote([Report("t1", 1, 0, 1, {}, [("n", "sum", 2.0)])]))  # duplicate
+        delivered = ray.get(collector.take.remote("t1", 10))
+        assert delivered.shared == {"n": 3.0}
+        assert ray.get(collector.take.remote("t1", 10)) is None  # delivered once, then freed
+        assert ray.get(collector.stats.remote()) == {"pending": 0, "accepted": 3, "dropped": 3}
+    finally:
+        ray.kill(collector)
+
+
+def test_a_thousand_traces_never_exceed_the_in_flight_bound(cluster):
+    futures = []
+    for i in range(1000):
+        tr = cluster.trace(max_tokens=1)
+        tr.invoke(f"bound {i}", ops=[ops.save("layers.0.resid")] if i % 2 else ())
+        futures.append(cluster.submit(tr))
+    assert cluster.status()["held"] > 2 * MAX_IN_FLIGHT  # queued on the driver, not on replicas
+    assert all(len(f.result(timeout=300)[0].token_ids) == 1 for f in futures)
+    seen = [info["max_in_flight_seen"] for info in cluster.replica_info()]
+    assert max(seen) == MAX_IN_FLIGHT and all(n <= MAX_IN_FLIGHT for n in seen), seen
+    assert cluster.status()["held"] == 0
+
+
+def test_the_cluster_refuses_what_a_model_refuses_before_sending(cluster, llama):
+    import ray
+
+    accepted = ray.get(cluster.collector.stats.remote())["accepted"]
+    for target in (llama, cluster):  # the same check, the same message, nothing sent
+        tr = target.trace(max_tokens=2)
+        tr.invoke("Hello", ops=[ops.save("layers.1.resid", steps=[0, 2])])
+        with pytest.raises(ValueError, match=r"steps \[2\] never run in a trace with max_tokens=2"):
+            tr.run()
+        with pytest.raises(ValueError, match="no invokes"):
+            target._run(target.trace())
+    assert ray.get(cluster.collector.stats.remote())["accepted"] == accepted
+    with pytest.raises(ValueError, match="enforce_eager=False"):  # before any replica starts
+        interlace.Cluster(cluster.config, enforce_eager=False)
+
+
+def test_restarting_the_collector_mid_run_reruns_its_traces_exactly_once(cluster, llama):
+    import ray
+
+    count = 40
+    want = reference(llama, count)
+    victim = ray.get(cluster.collector.pid.remote())
+    futures = [cluster.submit(build(cluster, i)) for i in range(count)]
+    while sum(f.done() for f in futures) < 4:
+        time.sleep(0.01)
+    os.kill(victim, signal.SIGKILL)
+    results = [f.result(timeout=300) for f in futures]  # each future resolves once
+    for got, ref in zip(results, want):
+        assert_same(got, ref)
+    assert ray.get(cluster.collector.pid.remote()) != victim  # Ray restarted it
+    assert cluster.status()["reruns"] > 0  # traces in flight lost their reports and ran again
+    assert ray.get(cluster.collector.stats.remote())["pending"] == 0  # nothing held after delivery
+    again = [cluster.submit(build(cluster, i)) for i in range(4)]
+    for got, ref in zip([f.result(timeout=120) for f in again], want):
+        assert_same(got, ref)
+
+
+def _engine_core(replica_pid: int) -> int:
+    children = psutil.Process(replica_pid).children()
+    named = [c for c in children if "EngineCore" in c.name() + " ".join(c.cmdline())]
+    return (named or children)[0].pid
+
+
+@pytest.mark.parametrize("victim", [0, 1])  # a second kill, of the other replica, after the first healed
+def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluster, llama, victim):
+    count = 60
+    want = reference(llama, count)
+    replica = cluster.status()["replicas"][victim]
+    assert replica["state"] == "alive" and replica["restarts"] == 0
+    futures = [cluster.submit(build(cluster, i)) for i in range(count)]
+    while sum(f.done() for f in futures) < 6:
+        time.sleep(0.01)
+    os.kill(_engine_core(replica["pid"]), signal.SIGKILL)
+    results = [f.result(timeout=300) for f in futures]  # each future resolves once
+    for got, ref in zip(results, want):
+        assert_same(got, ref)
+    assert cluster.status()["replicas"][victim]["restarts"] == 1
+    deadline = time.monotonic() + 240  # leave the cluster whole for whoever runs next
+    while cluster.status()["replicas"][victim]["state"] != "alive" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert cluster.status()["replicas"][victim]["state"] == "alive"
+    before = cluster.status()["replicas"][victim]["shards_served"]
+    again = [cluster.submit(build(cluster, i)) for i in range(8)]
+    for got, ref in zip([f.result(timeout=120) for f in again], want):
+        assert_same(got, ref)
+    assert cluster.status()["replicas"][victim]["shards_served"] > before  # the restarted replica serves

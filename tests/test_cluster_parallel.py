@@ -1,0 +1,88 @@
+"""Cluster replicas with pipeline and tensor parallelism report through the collector.
+
+Two short-lived clusters, one after the other, on one local Ray of 4 logical CPUs (one bundle
+per rank; each replica's ranks bound to cores 0 and 1 of this 2-core machine): two PP=2 replicas
+(reports from both stages of both replicas, a trace split across them), then one TP=2 replica
+(one report per invoke: only TP rank 0 reports). The reference is the session's single-rank
+``llama`` Model: PP=2 computes the same float32 values, and TP=2's split matmuls stay within the
+tolerance of tests/test_parallel.py (greedy tokens identical).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import interlace
+from interlace.cluster.config import ClusterConfig, ModelConfig
+from test_cluster import assert_same, build, reference
+
+
+@interlace.batched
+def two_stages(m):
+    """Shares one name from both pipeline stages (layer 0 on stage 0, layer 3 on stage 1)."""
+    first = m.last(m.layers[0].resid)  # [invokes here, hidden]
+    m.save("first", first)
+    m.share("sum", first, merge="sum")
+    last = m.last(m.layers[3].resid)
+    m.save("last", last)
+    m.share("sum", last, merge="sum")
+    m.share("mean", last, merge="mean")
+    m.share("rows", last, merge="concat")  # one stage only: a concat's order across stages is by stage
+
+
+LAYOUTS = {"pp2-x2": (1, 2, 2), "tp2": (2, 1, 1)}  # (TP, PP, replicas)
+
+
+@pytest.fixture(scope="module")
+def ray_cpus():
+    import ray
+
+    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=300 << 20)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def parallel_cluster(request, ray_cpus):
+    tp, pp, replicas = LAYOUTS[request.param]
+    model = ModelConfig.load("tiny-llama").model_copy(update={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
+    handle = interlace.Cluster(ClusterConfig(model=model, replicas=replicas, max_in_flight=4, cpu_cores=[[0, 1]]))
+    yield handle
+    handle.close()
+
+
+def _stats(cluster) -> dict:
+    import ray
+
+    return ray.get(cluster.collector.stats.remote())
+
+
+def test_every_stage_reports_once_and_results_equal_one_engine(parallel_cluster, llama):
+    count = 16
+    before = _stats(parallel_cluster)
+    traces = [build(parallel_cluster, i) for i in range(count)]
+    results = [f.result(timeout=300) for f in [parallel_cluster.submit(tr) for tr in traces]]
+    for got, want in zip(results, reference(llama, count)):
+        assert_same(got, want)  # saves made on stage 0 (layers 0-1) and stage 1 (layers 2-3, logits)
+    stages = parallel_cluster.config.model.pipeline_parallel_size
+    owed = stages * sum(inv.intervened for tr in traces for inv in tr.invokes)
+    after = _stats(parallel_cluster)
+    assert after["accepted"] - before["accepted"] == owed  # one report per invoke and stage: none twice
+    assert after["dropped"] == before["dropped"] and after["pending"] == 0
+
+
+def test_shared_values_merge_across_stages_and_replicas(parallel_cluster, llama):
+    replicas = parallel_cluster.config.replicas
+    before = [r["shards_served"] for r in parallel_cluster.replica_info()]
+    results = []
+    for target in (parallel_cluster, llama):
+        with target.trace(max_tokens=2) as tr:
+            for i in range(64):
+                tr.invoke(f"Sample {i} of the sweep", program=two_stages)
+        results.append(tr.result)
+    after = [r["shards_served"] for r in parallel_cluster.replica_info()]
+    assert [a - b for a, b in zip(after, before)] == [1] * replicas  # split: one shard on each replica
+    got, want = results
+    assert_same(got, want)
+    assert got.shared["rows"].numel() == 64 * 2 * 128  # every invoke's last row, at both steps

@@ -1,0 +1,408 @@
+"""Sweeps on a real Ray cluster: shards written by engine replicas (Ray Data actors), read back,
+resumed, and equal prompt for prompt to the single-engine ``Model``.
+
+One local Ray for the module (2 logical CPUs; each replica's actor takes one and binds its engine
+to its own core). Each sweep starts its own pool of engines, the main cost here, so the cases
+share sweeps: the ops sweep is also the one rerun; the program sweep also carries the malformed
+rows and the failing prompts, and is stopped by ``max_failures`` before it is resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import interlace
+from interlace import ops
+from interlace.cluster.config import SweepConfig
+from interlace.cluster.sweep import SweepStopped, run_sweep
+
+ATOL = 1e-4
+STEER = torch.linspace(-0.5, 0.5, 128)
+CLUSTER = {"model": "tiny-llama", "replicas": 2, "cpu_cores": [[0], [1]]}
+RAY_AGENTS = ("ray::RuntimeEnvAgent", "ray::DashboardAgent")
+
+PROGRAMS = textwrap.dedent('''
+    def keep_or_fail(m):
+        """Saves and shares; fails on prompts of exactly 8 tokens (data-dependent, as user code does)."""
+        if m.step == 0 and len(m.positions[0]) == 8:
+            raise ValueError("eight-token prompt")
+        m.layers[1].resid += 0.25
+        m.save("r2", m.layers[2].resid)
+        m.share("total", m.layers[2].resid.sum(), merge="sum")
+        m.share("last_mean", m.last(m.layers[3].resid)[0], merge="mean")
+''')
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=400 << 20)
+    yield
+    assert not ray_engines(), "a sweep's engines outlived its actor pool"
+    ray.shutdown()
+    assert not ray_engines(), "engines left behind after Ray stopped"
+
+
+def ray_engines(wait_s: float = 30.0) -> list[int]:
+    """vLLM engine processes still under this process's Ray after up to ``wait_s`` (the session's
+    Model engine is a direct child, not under Ray)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.ppid() != os.getpid() and proc.status() != psutil.STATUS_ZOMBIE \
+                        and "EngineCore" in " ".join(proc.cmdline() or [proc.name()]):
+                    found.append(proc.pid)
+            except psutil.Error:
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_config(folder: Path, name: str, cluster: dict = CLUSTER, **fields) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"cluster": cluster, **fields}))
+    return path
+
+
+def text_prompts(count: int) -> list[str]:
+    return [f"Sample {i} of the sweep is" for i in range(count)]
+
+
+def token_prompts(count: int) -> list[list[int]]:
+    return [[(i * 7 + j) % 200 + 10 for j in range(3 + i % 6)] for i in range(count)]  # 3 to 8 tokens
+
+
+def shard_mtimes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*")}
+
+
+def read_plain(folder: Path) -> tuple[list[dict], dict[str, list[torch.Tensor]]]:
+    """The index rows and each prompt's saves, with pyarrow and safetensors only."""
+    rows, saves = [], {}
+    for index in sorted(folder.glob("shard-*.parquet")):
+        table = pq.read_table(index).to_pylist()
+        with safe_open(index.with_suffix(".safetensors"), framework="pt") as f:
+            for row in table:
+                for name in f.keys():
+                    if not name.startswith("__shared__/") and row.get(f"{name}.offset") is not None:
+                        start, length = row[f"{name}.offset"], row[f"{name}.length"]
+                        saves.setdefault(row["prompt_id"], {})[name] = f.get_slice(name)[start:start + length]
+        rows += table
+    return rows, saves
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+
+
+# --- ops: 200 prompts, two replicas, read back two ways, rerun skips everything ---------------------
+
+
+@pytest.fixture(scope="module")
+def ops_sweep(ray_cluster, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ops")
+    save_file({"steer": STEER}, folder / "vec.safetensors")
+    rows = [{"prompt": p} for p in text_prompts(200)] + [{"prompt": "  "}, {"text": "no prompt column here"}]
+    write_jsonl(folder / "prompts.jsonl", rows)
+    path = write_config(folder, "ops", input={"paths": ["prompts.jsonl"]}, output="out", shard_size=25,
+                        shards_in_flight=1, generation={"max_tokens": 3},
+                        intervention={"ops": [
+                            {"op": "add", "point": "layers.1.resid", "value": {"file": "vec.safetensors", "name": "steer"}},
+                            {"op": "save", "point": "layers.2.resid", "name": "resid2", "tokens": "last"},
+                            {"op": "save", "point": "logits"}]})
+    cfg = SweepConfig.load(path)
+    killer = threading.Thread(target=kill_an_engine_after_the_first_shard, args=(Path(cfg.output), victims))
+    killer.start()
+    try:
+        manifest = run_sweep(cfg)
+    finally:
+        killer.join()
+    return cfg, manifest, Path(cfg.output)
+
+
+victims: list[int] = []
+actors: list[int] = []
+
+
+def kill_an_engine_after_the_first_shard(out: Path, killed: list[int]) -> None:
+    """Kill one replica's engine core mid-sweep: its actor exits, Ray restarts it, and the shard
+    it held runs again."""
+    deadline = time.monotonic() + 300
+    while not list(out.glob("shard-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engines = ray_engines(wait_s=0)
+    if engines:
+        actors.extend(psutil.Process(pid).ppid() for pid in engines)  # the pool's actors now
+        os.kill(engines[0], signal.SIGKILL)
+        killed.append(engines[0])
+
+
+def test_an_ops_sweep_on_two_replicas_equals_one_engine_though_a_replica_died(ops_sweep, llama):
+    cfg, manifest, out = ops_sweep
+    assert manifest["status"] == "complete"
+    assert manifest["counts"] == {"prompts": 202, "shards": 9, "shard_size": 25}
+    assert len(victims) == 1 and not psutil.pid_exists(victims[0])  # an engine was killed mid-sweep
+    writers = {r["pid"] for r in manifest["shards"].values()}
+    assert len(actors) == 2 and writers - set(actors)  # the restarted actor ran shards (the killed one's again)
+    assert len(writers) >= 2  # and both replicas did work
+    with llama.trace(max_tokens=3) as tr:
+        for prompt in text_prompts(200):
+            tr.invoke(prompt, ops=[ops.add("layers.1.resid", STEER), ops.save("layers.2.resid", name="resid2", tokens="last"),
+                                   ops.save("logits")])
+    sweep = interlace.open_sweep(out)
+    rows, plain = read_plain(out)
+    assert [r["prompt_id"] for r in rows] == list(range(202))  # each prompt exactly once, in order
+    for i, want in enumerate(tr.result):
+        got = sweep[i]
+        assert got.error is None and got.prompt == text_prompts(200)[i]
+        assert got.token_ids == want.token_ids == rows[i]["token_ids"]
+        assert got.text == want.text
+        for name in ("resid2", "logits"):
+            assert_close(got.saves[name], want.saves[name])
+            assert_close(plain[i][name], want.saves[name])
+    frame = sweep.to_pandas()
+    assert frame["error"].iloc[200] == "empty prompt"
+    assert "no prompt in column 'prompt'" in frame["error"].iloc[201]
+    assert frame["error"].iloc[:200].isna().all()
+    assert manifest["summary"]["failures"] == 2 and manifest["summary"]["prompts"] == 202
+
+
+def test_a_rerun_skips_every_finished_shard(ops_sweep):
+    cfg, manifest, out = ops_sweep
+    before = shard_mtimes(out)
+    started = time.monotonic()
+    again = run_sweep(cfg)
+    assert time.monotonic() - started < 30  # no engine started
+    assert shard_mtimes(out) == before
+    assert again["shards"] == manifest["shards"]
+    assert again["status"] == "complete" and again["summary"]["prompts_this_run"] == 0
+
+
+# --- a program: failing prompts and malformed rows per prompt, max_failures, resume -----------------
+
+
+def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_resumes(ray_cluster, tmp_path, llama):
+    (tmp_path / "sweep_programs.py").write_text(PROGRAMS)
+    prompts = token_prompts(200)
+    bad = [{"prompt": []}, {"prompt": [5, 10**7]}, {"other": [1, 2]}, {"prompt": None}]
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts] + bad)
+    fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", shard_size=25, generation={"max_tokens": 2},
+                  intervention={"program": "sweep_programs:keep_or_fail"})
+    one = {**CLUSTER, "replicas": 1}  # the stopped run is short: one engine is enough
+    cfg = SweepConfig.load(write_config(tmp_path, "stop", cluster=one, max_failures=3, **fields))
+    with pytest.raises(SweepStopped, match="more than max_failures=3"):
+        run_sweep(cfg)
+    out = Path(cfg.output)
+    stopped = json.loads((out / "manifest.json").read_text())
+    assert stopped["status"].startswith("stopped") and 0 < len(stopped["shards"]) < 9
+    kept = {name: t for name, t in shard_mtimes(out).items() if name.removesuffix(".json").removesuffix(".parquet")
+            .removesuffix(".safetensors") in {f"shard-{int(k):05d}" for k in stopped["shards"]}}
+
+    cfg = SweepConfig.load(write_config(tmp_path, "resume", **fields))  # max_failures is not part of the sweep's identity
+    manifest = run_sweep(cfg)
+    assert manifest["status"] == "complete"
+    assert {n: t for n, t in shard_mtimes(out).items() if n in kept} == kept  # finished shards not written again
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import sweep_programs
+    finally:
+        sys.path.remove(str(tmp_path))
+    good = [i for i, p in enumerate(prompts) if len(p) != 8]
+    cloudpickle.register_pickle_by_value(sweep_programs)  # the engine's workers cannot import it
+    try:
+        with llama.trace(max_tokens=2) as tr:
+            for i in good:
+                tr.invoke(prompts[i], program=sweep_programs.keep_or_fail)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sweep_programs)
+    sweep = interlace.open_sweep(out)
+    rows, plain = read_plain(out)
+    assert [r["prompt_id"] for r in rows] == list(range(204))
+    for i, want in zip(good, tr.result):
+        assert sweep[i].error is None and sweep[i].prompt_token_ids == prompts[i]
+        assert sweep[i].token_ids == want.token_ids
+        assert_close(sweep[i].saves["r2"], want.saves["r2"])
+        assert_close(plain[i]["r2"], want.saves["r2"])
+    for i in set(range(200)) - set(good):
+        assert "ValueError" in sweep[i].error and "eight-token prompt" in sweep[i].error
+        assert sweep[i].saves == {}  # a failed prompt keeps no saves
+    errors = [sweep[200 + k].error for k in range(4)]
+    assert errors[0].startswith("empty prompt")
+    assert "outside the vocabulary" in errors[1] and "10000000" in errors[1]
+    assert "no prompt in column 'prompt'" in errors[2] and "no prompt in column 'prompt'" in errors[3]
+    assert manifest["summary"]["failures"] == 200 - len(good) + 4
+    for name, want in tr.result.shared.items():
+        torch.testing.assert_close(sweep.shared[name], torch.as_tensor(want), atol=1e-3, rtol=1e-4)
+
+
+# --- a driver killed mid-sweep: the rerun completes, each prompt once, committed shards untouched -------
+
+
+def test_a_killed_driver_resumes_with_every_prompt_once(ray_cluster, tmp_path, llama):
+    prompts = text_prompts(60)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    path = write_config(tmp_path, "kill", cluster={**CLUSTER, "replicas": 1}, input={"paths": ["prompts.jsonl"]}, output="out", shard_size=4,
+                        shards_in_flight=1, generation={"max_tokens": 3},
+                        intervention={"ops": [{"op": "save", "point": "layers.3.resid", "name": "r3", "tokens": "last"}]})
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ADDRESS": ""}  # its own local Ray, not the test's
+    driver = subprocess.Popen([sys.executable, "-m", "interlace", "sweep", str(path)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(out.glob("shard-*.json"))) < 3:
+            assert driver.poll() is None, "the sweep ended before it could be killed"
+            assert time.monotonic() < deadline, "no shard was committed in time"
+            time.sleep(0.2)
+        family = psutil.Process(driver.pid).children(recursive=True)
+        names = {proc.pid: proc.name() for proc in family}
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    gone, alive = psutil.wait_procs(family, timeout=30)
+    for proc in alive:  # report, then clean up what the killed driver left
+        proc.kill()
+    # Ray's own node agents outlive a killed head by a while; every other process (raylet, workers,
+    # the shard actors, their engines) must be gone.
+    left = [f"{proc.pid} {names[proc.pid]}" for proc in alive if names[proc.pid] not in RAY_AGENTS]
+    committed = set(json.loads(p.read_text())["shard"] for p in out.glob("shard-*.json"))
+    assert 3 <= len(committed) < 15
+    kept = {n: t for n, t in shard_mtimes(out).items() if int(n[6:11]) in committed}
+
+    manifest = run_sweep(SweepConfig.load(path))
+    assert manifest["status"] == "complete" and len(manifest["shards"]) == 15
+    assert {n: t for n, t in shard_mtimes(out).items() if n in kept} == kept
+    rows, plain = read_plain(out)
+    assert [r["prompt_id"] for r in rows] == list(range(60))
+    with llama.trace(max_tokens=3) as tr:
+        for p in prompts:
+            tr.invoke(p, ops=[ops.save("layers.3.resid", name="r3", tokens="last")])
+    for i, want in enumerate(tr.result):
+        assert rows[i]["token_ids"] == want.token_ids
+        assert_close(plain[i]["r3"], want.saves["r3"])
+    assert not left, f"the killed driver left processes behind: {left}"
+
+
+# --- the same command as a Ray job, against a `ray start --head` cluster with token authentication ---
+
+
+def test_ray_job_submit_runs_a_sweep_with_the_token_and_is_refused_without(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    write_jsonl(job / "prompts.jsonl", [{"prompt": p} for p in text_prompts(12)])
+    out = tmp_path / "out"  # absolute: the job runs in a copy of its working dir
+    (job / "sweep.yaml").write_text(yaml.safe_dump({
+        "cluster": {"model": "tiny-llama", "replicas": 1}, "input": {"paths": ["prompts.jsonl"]},
+        "intervention": {"ops": [{"op": "save", "point": "layers.2.resid", "name": "r2", "tokens": "last"}]},
+        "generation": {"max_tokens": 2}, "output": str(out), "shard_size": 4}))
+    temp = Path(tempfile.mkdtemp(prefix="irs", dir="/tmp"))  # a private Ray: its processes are found by this path
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+    gcs, dashboard, agent = free_ports(3)
+    try:
+        subprocess.run([str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--temp-dir", str(temp),
+                        "--port", str(gcs), "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port",
+                        str(agent), "--include-dashboard", "true", "--disable-usage-stats"],
+                       env=env, check=True, capture_output=True, timeout=180)
+        submit = [str(bin_dir / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
+                  "--working-dir", str(job), "--", "interlace", "sweep", "sweep.yaml"]
+        anonymous = {**env, "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "no-token")}
+        del anonymous["RAY_AUTH_TOKEN"]
+        refused = subprocess.run(submit, env=anonymous, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and "Missing authentication token" in refused.stdout + refused.stderr
+        assert not out.exists()
+        done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=500)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert "sweep complete: 12 prompts (0 failed)" in done.stdout + done.stderr
+    finally:
+        stop_private_ray(temp)
+    sweep = interlace.open_sweep(out)
+    assert sweep.status == "complete" and len(sweep) == 12
+    assert sweep.to_pandas()["error"].isna().all() and sweep[11].saves["r2"].shape == (2, 128)
+
+
+def free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def stop_private_ray(temp: Path) -> None:
+    """Kill the processes of the Ray started with ``--temp-dir temp`` (never ``ray stop``: it stops
+    every Ray on the machine), then remove the folder."""
+    roots = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and str(temp) in " ".join(proc.info["cmdline"] or []):
+                roots.append(proc)
+        except psutil.Error:
+            continue
+    family = {p.pid: p for root in roots for p in [root, *root.children(recursive=True)]}
+    for proc in family.values():
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(list(family.values()), timeout=15)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+# --- the config alone (no engine) -----------------------------------------------------------------
+
+
+def test_the_example_config_loads_with_paths_from_its_folder():
+    root = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
+    cfg = SweepConfig.load(root / "example.yaml")
+    assert cfg.input.paths == [str(root / "prompts.jsonl")] and cfg.cluster.replicas == 2
+    steer = cfg.intervention.ops[0].build()
+    assert steer["op"] == "add" and steer["value"].shape == (128,)
+    with pytest.raises(ValueError, match="give it a value"):
+        SweepConfig.model_validate({**cfg.model_dump(), "intervention": {"ops": [{"op": "add", "point": "layers.1.resid"}]}})
+
+
+def test_a_folder_holding_another_sweep_is_refused_before_anything_starts(tmp_path):
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", shard_size=4)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"identity": "another sweep"}))
+    with pytest.raises(ValueError, match="holds another sweep"):
+        run_sweep(SweepConfig.load(write_config(tmp_path, "mine", **fields)))
