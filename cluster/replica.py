@@ -118,29 +118,19 @@ class Replica:
             self.in_flight -= 1
             self.shards_served += 1
 
-    async def _run(self, engine, task: ShardTask) -> list[Completion]:
+    async def _generate(self, engine, task: ShardTask) -> list:
+        """The shard's requests on the engine, all at once; their final outputs, in order."""
         from interlace.assembly import build_requests
 
         wire = task.wire_trace
         prompts, params = build_requests(task.prompts, task.payloads, task.settings, wire,
                                          sink=f"dir:{self.sink_root}")
         ids = [f"{wire}-{p.invoke if p is not None else i}" for i, p in enumerate(task.payloads)]
-        outputs = await asyncio.gather(*(_final(engine.generate(prompt, param, rid))
-                                         for prompt, param, rid in zip(prompts, params, ids)))
-        expected = set(task.expected())
-        if expected:
-            reports = await self._reports(task, expected)
-            try:
-                await self.collector.report.remote(reports)
-            except Exception as exc:  # noqa: BLE001 - a restarted collector: the driver re-runs the trace
-                print(f"interlace replica {self.index}: the collector did not take {wire}'s reports: {exc!r}", flush=True)
-        return [Completion.from_vllm(out) for out in outputs]
+        return await asyncio.gather(*(_final(engine.generate(prompt, param, rid))
+                                      for prompt, param, rid in zip(prompts, params, ids)))
 
-    async def _reports(self, task: ShardTask, expected: set[tuple[int, int]]) -> list[Report]:
-        """The shard's reports from the sink folder, saves in one object of this replica's
-        (:class:`SavesRef`; the collector passes the refs on, the driver fetches the object once)."""
-        import ray
-
+    async def _watch(self, task: ShardTask, expected: set[tuple[int, int]]):
+        """Every expected report of the shard from the sink folder (a ReportWatcher, done)."""
         from interlace.assembly import ReportWatcher
 
         watcher = ReportWatcher(self.sink_root, task.wire_trace, expected, REPORT_GRACE_S)
@@ -148,6 +138,25 @@ class Replica:
         while not watcher.done:
             await asyncio.sleep(_POLL_S)
             watcher.poll()
+        return watcher
+
+    async def _run(self, engine, task: ShardTask) -> list[Completion]:
+        outputs = await self._generate(engine, task)
+        expected = set(task.expected())
+        if expected:
+            reports = await self._reports(task, expected)
+            try:
+                await self.collector.report.remote(reports)
+            except Exception as exc:  # noqa: BLE001 - a restarted collector: the driver re-runs the trace
+                print(f"interlace replica {self.index}: the collector did not take {task.wire_trace}'s reports: {exc!r}", flush=True)
+        return [Completion.from_vllm(out) for out in outputs]
+
+    async def _reports(self, task: ShardTask, expected: set[tuple[int, int]]) -> list[Report]:
+        """The shard's reports from the sink folder, saves in one object of this replica's
+        (:class:`SavesRef`; the collector passes the refs on, the driver fetches the object once)."""
+        import ray
+
+        watcher = await self._watch(task, expected)
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
         saving = [r for r in reports if r.saves]
         if saving:  # compact copies: the saves are views of the mapped report files
@@ -163,23 +172,12 @@ class Replica:
         saved tensors go from the workers to the shard's files on this node."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        from interlace.assembly import ReportWatcher, build_requests
-
         engine = await self._engine_up()
         self.in_flight += 1
         self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
         try:
-            wire = task.wire_trace
-            prompts, params = build_requests(task.prompts, task.payloads, task.settings, wire,
-                                             sink=f"dir:{self.sink_root}")
-            ids = [f"{wire}-{p.invoke if p is not None else i}" for i, p in enumerate(task.payloads)]
-            outputs = await asyncio.gather(*(_final(engine.generate(prompt, param, rid))
-                                             for prompt, param, rid in zip(prompts, params, ids)))
-            watcher = ReportWatcher(self.sink_root, wire, set(task.expected()), REPORT_GRACE_S)
-            watcher.poll()
-            while not watcher.done:
-                await asyncio.sleep(_POLL_S)
-                watcher.poll()
+            outputs = await self._generate(engine, task)
+            watcher = await self._watch(task, set(task.expected()))
             # Compact copies: the saves are views of the mapped report files removed below.
             reports = [Report.from_worker({**raw, "saves": _compact(raw["saves"])}, trace=task.trace,
                                           attempt=task.attempt) for raw in watcher.reports]
