@@ -159,10 +159,16 @@ def _wake_waiters_when_the_engine_dies(client, poll_s: float = 0.5) -> None:
 async def start_async_engine(cfg: ModelConfig, **overrides: Any):
     """Start a ``vllm.v1.engine.async_llm.AsyncLLM`` for ``cfg`` with interlace installed."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     prepare_environment(cfg)
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg, **overrides)))
+    # vllm.LLM's batch defaults, as interlace.Model gets them: vLLM sizes max_num_seqs and
+    # max_num_batched_tokens by usage context, and an AsyncLLM's own context falls back to the
+    # scheduler's small defaults (128 sequences: a 256-invoke trace ran in two waves, 0.55x of Model
+    # on an H100).
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg, **overrides)),
+                                       usage_context=UsageContext.LLM_CLASS)
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))
     return engine

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from interlace.cluster.config import ModelConfig
-from interlace.wire import Completion, Report, SavesRef, ShardTask
+from interlace.wire import Completion, Report, SavesOnNode, SavesRef, ShardTask
 
 REPORT_GRACE_S = 30.0  # how long to wait for a shard's reports after its generation ended
 _POLL_S = 0.005
@@ -153,12 +153,17 @@ class Replica:
 
     async def _reports(self, task: ShardTask, expected: set[tuple[int, int]]) -> list[Report]:
         """The shard's reports from the sink folder, saves in one object of this replica's
-        (:class:`SavesRef`; the collector passes the refs on, the driver fetches the object once)."""
+        (:class:`SavesRef`; the collector passes the refs on, the driver fetches the object once),
+        or left in the folder when the driver is on this node (:class:`SavesOnNode`)."""
         import ray
 
         watcher = await self._watch(task, expected)
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
         saving = [r for r in reports if r.saves]
+        if saving and task.driver_node == ray.get_runtime_context().get_node_id():
+            for report in saving:  # the driver maps the files itself, and removes them
+                report.saves = SavesOnNode(str(watcher.folder), report.invoke, report.stage)
+            return reports
         if saving:  # compact copies: the saves are views of the mapped report files
             ref = ray.put([_compact(r.saves) for r in saving])
             for index, report in enumerate(saving):

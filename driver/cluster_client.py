@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import shutil
 import sys
 import sysconfig
 import threading
@@ -50,7 +51,7 @@ from interlace.assembly import assemble
 from interlace.cluster.config import ClusterConfig
 from interlace.model import Model, Trace
 from interlace.trace import Invoke, TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
-from interlace.wire import Completion, InvokePayload, SavesRef, ShardTask
+from interlace.wire import Completion, InvokePayload, SavesOnNode, SavesRef, ShardTask
 from interlace.workers.points import ModuleTree
 
 _TAKE_TIMEOUT_S = 120.0  # a trace whose shards all returned yet reports stay missing this long fails
@@ -116,6 +117,7 @@ class Cluster:
     # --- start and stop ----------------------------------------------------------------------
 
     async def _start(self, engine_overrides: dict) -> None:
+        import ray
         from ray.util.placement_group import placement_group
 
         from interlace.cluster.collector import start_collector
@@ -124,6 +126,7 @@ class Cluster:
         cfg = self.config
         self._room = asyncio.Condition()
         self.collector = start_collector()
+        self._node = ray.get_runtime_context().get_node_id()  # replicas here leave saves in files for us
         bundles = [cfg.resources.bundle()] * cfg.model.world_size
         for index in range(cfg.replicas):
             group = placement_group(bundles, strategy=cfg.placement_strategy, name=f"{self.name}-r{index}")
@@ -213,7 +216,7 @@ class Cluster:
         shards = plan_shards(trace.invokes, payloads, len(self._replicas), self.config.min_shard_invokes)
         for _rerun in range(self.config.max_retries + 1):
             tasks = [ShardTask(trace_id, n, 0, [trace.invokes[i].prompt for i in indices],
-                               [payloads[i] for i in indices], trace.settings, stages)
+                               [payloads[i] for i in indices], trace.settings, stages, self._node)
                      for n, indices in enumerate(shards)]
             if _rerun:
                 self._reruns += 1
@@ -258,9 +261,14 @@ class Cluster:
             values = dict(zip(refs, await asyncio.gather(*refs)))  # one object per shard
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.ActorUnavailableError):
             return None  # the collector died (its objects with it): the trace runs again
+        on_node = _saves_on_node(reports)
+        if on_node is None:
+            return None  # a replica restarted and took its folder with it: the trace runs again
         for report in reports:
             if isinstance(report.saves, SavesRef):
                 report.saves = values[report.saves.ref][report.saves.index]
+            elif isinstance(report.saves, SavesOnNode):
+                report.saves = on_node[report.saves.folder, report.saves.invoke, report.saves.stage]
         if delivered.merge_error is not None:
             raise ValueError(delivered.merge_error)
         return delivered
@@ -355,6 +363,23 @@ class Cluster:
 
     def _call(self, coroutine, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+
+def _saves_on_node(reports) -> dict | None:
+    """The saves of reports whose replica left them in its folder on this node, mapped (not
+    copied, as Model reads them), by (folder, invoke, stage); the folders are removed (the mapping
+    outlives them). None: a folder is gone (its replica's process ended)."""
+    from interlace.workers.sink import read_new_reports
+
+    folders = {r.saves.folder for r in reports if isinstance(r.saves, SavesOnNode)}
+    found = {}
+    for folder in folders:
+        if not Path(folder).is_dir():
+            return None
+        for raw in read_new_reports(Path(folder), set()):
+            found[folder, raw["invoke"], raw["stage"]] = raw["saves"]
+        shutil.rmtree(folder, ignore_errors=True)
+    return found
 
 
 async def _cancel_tasks() -> None:

@@ -90,6 +90,17 @@ class SavesRef:
 
 
 @dataclass(frozen=True)
+class SavesOnNode:
+    """Where a cluster report's saves wait when the driver runs on the replica's node: the shard's
+    report folder there. The driver maps the files (no copy, as ``interlace.Model`` does) and
+    removes the folder; chosen at run time, per shard (nodes share no file system)."""
+
+    folder: str
+    invoke: int
+    stage: int
+
+
+@dataclass(frozen=True)
 class Completion:
     """One invoke's generated tokens, as a replica returns them."""
 
@@ -118,6 +129,7 @@ class ShardTask:
     payloads: list[InvokePayload | None]  # each invoke's payload (its ``invoke`` is the trace index)
     settings: dict[str, Any]  # SamplingParams fields shared by the trace's invokes
     stages: int = 1  # pipeline stages: each intervened invoke reports once per stage
+    driver_node: str | None = None  # the Ray node of the driver: saves stay in files when it is the replica's
 
     @property
     def wire_trace(self) -> str:
