@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -174,6 +174,119 @@ class ClusterConfig(BaseModel):
         return cls.model_validate(yaml.safe_load(bundled.read_text()))
 
 
+# --- serving: a Ray Serve application over the engine replicas (``interlace serve SERVE.yaml``) ----
+
+
+class AutoscalingConfig(BaseModel):
+    """Serve's autoscaling of the engine deployment (replaces ``cluster.replicas`` when given)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=0, description="Engine replicas kept up when idle.")
+    max_replicas: int = Field(1, ge=1, description="The most engine replicas Serve starts under load.")
+    target_ongoing_requests: float = Field(
+        4.0, gt=0, description="Trace shards in flight per replica that Serve aims for when it scales.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutoscalingConfig":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"autoscaling: max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        return self
+
+
+class AuthConfig(BaseModel):
+    """Where the API tokens are: never in this config. A tokens document (YAML or JSON) lists
+    ``tokens: [{name, token | sha256, role: ops | code, max_in_flight}]``; it is read from the file
+    ``tokens_file`` names, else from the environment variable ``tokens_env`` names (a Kubernetes
+    Secret mounted either way)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens_file: str | None = Field(None, description="Path of the tokens document (a mounted Secret).")
+    tokens_env: str = Field("INTERLACE_API_TOKENS", description="Environment variable holding the tokens "
+                            "document, read when tokens_file is not set.")
+    anonymous_role: str | None = Field(
+        None, description="Role of requests without a token: None refuses them (401); 'ops' lets anyone run "
+        "declarative traces (a local, single-user server).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AuthConfig":
+        if self.anonymous_role not in (None, "ops", "code"):
+            raise ValueError(f"auth.anonymous_role {self.anonymous_role!r}: choose null (default), ops or code")
+        return self
+
+
+class LimitsConfig(BaseModel):
+    """What one request may ask of the endpoint; each limit is answered with its own 4xx."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(64 * 2**20, gt=0, description="Largest request body (413 past it).")
+    max_invokes: int = Field(1024, gt=0, description="Invokes per trace (422 past it).")
+    max_tokens: int = Field(1_000_000, gt=0, description="Prompt plus generated tokens per trace, summed over its "
+                            "invokes (422 past it).")
+    max_trace_s: float = Field(600.0, gt=0, description="Time limit of one trace's programs and its whole run "
+                               "(a trace asking for more gets 422; one running past it, 504).")
+    max_save_bytes: int = Field(1 << 30, gt=0, description="Bytes one trace may save, all invokes together "
+                                "(422 when asked for more; a trace saving more fails with 413).")
+    max_in_flight_per_token: int = Field(16, gt=0, description="Traces one token may have running at once "
+                                         "(429 past it); a token's own max_in_flight wins.")
+    max_results_kept: int = Field(1024, gt=0, description="Finished results of asynchronous traces kept for "
+                                  "GET /v1/traces/{id}; the oldest are dropped first.")
+    results_ttl_s: float = Field(3600.0, gt=0, description="How long a finished asynchronous result is kept.")
+
+
+class ServeConfig(BaseModel):
+    """A Ray Serve application: an HTTP ingress (auth, limits, streaming, metrics) over engine
+    replicas. The same schema is read by ``interlace serve SERVE.yaml``, by ``serve run`` /
+    ``serve deploy`` (as the application's ``args``) and by the Helm chart's values.
+
+        >>> cfg = ServeConfig.load("configs/serve/tiny-llama.yaml")
+        >>> cfg.cluster.model.name, cfg.port
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cluster: ClusterConfig = Field(description="The engine replicas: a bundled cluster name, a cluster YAML "
+                                   "path, or the fields inline (model, replicas, resources, max_in_flight...).")
+    autoscaling: AutoscalingConfig | None = Field(None, description="Scale the engine replicas with load; "
+                                                  "None: cluster.replicas, fixed.")
+    host: str = Field("127.0.0.1", description="Address Serve's HTTP proxy listens on ('0.0.0.0' in a pod).")
+    port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP port.")
+    route_prefix: str = Field("/", description="Where the API is mounted on Serve's proxy.")
+    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API tokens and roles.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cluster_by_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("cluster"), str):
+            data = {**data, "cluster": ClusterConfig.load(data["cluster"])}
+        return data
+
+    @classmethod
+    def load(cls, source: "str | Path | dict | ServeConfig") -> "ServeConfig":
+        """A serve YAML by path, a bundled one by name (``"tiny-llama"``), a dict (Serve's ``args``),
+        or a config as is."""
+        if isinstance(source, ServeConfig):
+            return source
+        if isinstance(source, dict):
+            return cls.model_validate(source)
+        path = Path(source)
+        if path.suffix not in (".yaml", ".yml"):
+            path = Path(str(resources.files("interlace.configs") / "serve" / f"{source}.yaml"))
+            if not path.is_file():
+                raise ValueError(f"no bundled serve config {source!r}; pass the path of a .yaml file")
+        raw = yaml.safe_load(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a serve config is a YAML mapping (cluster, auth, limits...)")
+        if isinstance(raw.get("cluster"), str) and raw["cluster"].endswith((".yaml", ".yml")) \
+                and not Path(raw["cluster"]).is_absolute():
+            raw = {**raw, "cluster": str(path.resolve().parent / raw["cluster"])}
+        return cls.model_validate(raw)
+
+
 # --- sweeps: one intervention over a dataset of prompts (``interlace sweep SWEEP.yaml``) ---------
 
 
@@ -198,21 +311,60 @@ class TensorFile(BaseModel):
             return f.get_tensor(self.name)
 
 
-class SweepOp(BaseModel):
-    """One declarative op, as ``interlace.ops`` makes it: ``{op: save, point: layers.2.resid, tokens: last}``."""
+class InlineTensor(BaseModel):
+    """A tensor inside a JSON or YAML document: a ``.safetensors`` file, base64-encoded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    safetensors: str = Field(description="Base64 of a .safetensors file (standard alphabet, padded).")
+    name: str | None = Field(None, description="The tensor's name in it; None: the file's only tensor.")
+
+    def load(self):
+        import base64
+        import binascii
+
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            tensors = load(base64.b64decode(self.safetensors, validate=True))
+        except (binascii.Error, ValueError, SafetensorError) as exc:
+            raise ValueError(f"a tensor value is not base64 of a .safetensors file: {exc}") from None
+        if self.name is None and len(tensors) != 1:
+            raise ValueError(f"the .safetensors value holds {sorted(tensors)}; give the tensor's name")
+        if self.name is not None and self.name not in tensors:
+            raise ValueError(f"the .safetensors value has no tensor {self.name!r}; it has {sorted(tensors)}")
+        return tensors[self.name] if self.name is not None else next(iter(tensors.values()))
+
+    @classmethod
+    def of(cls, tensor) -> "InlineTensor":
+        import base64
+
+        from safetensors.torch import save
+
+        return cls(safetensors=base64.b64encode(save({"value": tensor.detach().cpu().contiguous()})).decode())
+
+
+Positions = list[Annotated[int, Field(ge=0, lt=2**31)]]
+
+
+class OpSpec(BaseModel):
+    """One declarative op as data, the same in Python, YAML (sweeps) and JSON (the HTTP API):
+    ``{op: save, point: layers.2.resid, tokens: last}``; ``build()`` makes the ``interlace.ops`` op."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     op: str = Field(description="save, add, scale, replace or zero.")
-    point: str = Field(description="Where: 'layers.2.resid', 'layers.1.mlp.output', 'logits'...")
-    name: str | None = Field(None, description="save only: the save's name (default: the point).")
-    tokens: str | list[int] = Field("all", description="'all', 'last' or a list of positions.")
-    steps: list[int] | None = Field(None, description="Steps the op acts at (0 is the prompt); None: every step.")
-    value: float | list[float] | TensorFile | None = Field(
-        None, description="add/replace: a vector (a list, or {file, name} in a .safetensors file); scale: a factor.")
+    point: str = Field(max_length=256, description="Where: 'layers.2.resid', 'layers.1.mlp.output', 'logits'...")
+    name: str | None = Field(None, max_length=256, description="save only: the save's name (default: the point).")
+    tokens: Literal["all", "last"] | Positions = Field("all", description="'all', 'last' or a list of positions.")
+    steps: Positions | None = Field(None, description="Steps the op acts at (0 is the prompt); None: every step.")
+    value: float | list[float] | list[list[float]] | TensorFile | InlineTensor | None = Field(
+        None, description="add/replace: a vector or rows (lists, {file, name} in a .safetensors file, or "
+        "{safetensors: base64}); scale: a factor.")
 
     @model_validator(mode="after")
-    def _check(self) -> "SweepOp":
+    def _check(self) -> "OpSpec":
         needs = {"save": False, "zero": False, "add": True, "replace": True, "scale": True}
         if self.op not in needs:
             raise ValueError(f"op {self.op!r}: choose one of {sorted(needs)}")
@@ -220,6 +372,10 @@ class SweepOp(BaseModel):
             raise ValueError(f"op {self.op} at {self.point}: " + ("give it a value" if needs[self.op] else "takes no value"))
         if self.name is not None and self.op != "save":
             raise ValueError(f"op {self.op} at {self.point}: only save takes a name")
+        if self.op == "scale" and not isinstance(self.value, (int, float)):
+            raise ValueError(f"op scale at {self.point}: its value is one number (the factor)")
+        if self.op in ("add", "replace") and isinstance(self.value, (int, float)):
+            raise ValueError(f"op {self.op} at {self.point}: its value is a vector, not one number")
         return self
 
     def build(self) -> dict:
@@ -228,7 +384,7 @@ class SweepOp(BaseModel):
 
         from interlace import ops
 
-        value = self.value.load() if isinstance(self.value, TensorFile) else self.value
+        value = self.value.load() if isinstance(self.value, (TensorFile, InlineTensor)) else self.value
         where = dict(tokens=self.tokens, steps=self.steps)
         if self.op == "save":
             return ops.save(self.point, name=self.name, **where)
@@ -236,7 +392,19 @@ class SweepOp(BaseModel):
             return ops.zero(self.point, **where)
         if self.op == "scale":
             return ops.scale(self.point, float(value), **where)
-        return getattr(ops, self.op)(self.point, torch.as_tensor(value, dtype=torch.float32), **where)
+        return getattr(ops, self.op)(self.point, torch.as_tensor(value, dtype=torch.float32)
+                                     if not isinstance(value, torch.Tensor) else value, **where)
+
+    @classmethod
+    def of(cls, op: dict) -> "OpSpec":
+        """An ``interlace.ops`` op as data (tensor values inline): what a remote client sends."""
+        import torch
+
+        value = op.get("value")
+        if isinstance(value, torch.Tensor):
+            value = InlineTensor.of(value)
+        name = op.get("name") if op["op"] == "save" else None
+        return cls(op=op["op"], point=op["point"], name=name, tokens=op["tokens"], steps=op["steps"], value=value)
 
 
 class SweepIntervention(BaseModel):
@@ -245,7 +413,7 @@ class SweepIntervention(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ops: list[SweepOp] = Field(default_factory=list, description="Declarative ops, applied in order.")
+    ops: list[OpSpec] = Field(default_factory=list, description="Declarative ops, applied in order.")
     program: str | None = Field(
         None, description="A program by import path, 'module:function' (importable from the sweep YAML's "
         "folder or the current one).")

@@ -167,11 +167,33 @@ async def start_async_engine(cfg: ModelConfig, **overrides: Any):
     # max_num_batched_tokens by usage context, and an AsyncLLM's own context falls back to the
     # scheduler's small defaults (128 sequences: a 256-invoke trace ran in two waves, 0.55x of Model
     # on an H100).
+    latest: dict[str, Any] = {}
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg, **overrides)),
-                                       usage_context=UsageContext.LLM_CLASS)
+                                       usage_context=UsageContext.LLM_CLASS,
+                                       stat_loggers=[_stats_keeper(latest)])
+    engine.interlace_latest_stats = latest  # {"scheduler": SchedulerStats}: KV-cache use for metrics
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))
     return engine
+
+
+def _stats_keeper(latest: dict):
+    """A vLLM stat-logger factory that keeps the engine's latest scheduler stats in ``latest``
+    (vLLM's own loggers keep them only when they log at INFO)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class StatsKeeper(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                latest["scheduler"] = scheduler_stats
+
+        def log_engine_initialized(self):
+            pass
+
+    return StatsKeeper
 
 
 def all_module_names(per_rank: list[list[str]]) -> list[str]:

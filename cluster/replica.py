@@ -18,10 +18,12 @@ shards as a new attempt on a live replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +37,15 @@ _POLL_S = 0.005
 class Replica:
     """Use through :func:`replica_actor`; ``ready()`` starts the engine (idempotent)."""
 
-    def __init__(self, config: dict, index: int, collector, name: str, overrides: dict | None = None):
+    def __init__(self, config: dict, index: int = 0, collector=None, name: str = "serve",
+                 overrides: dict | None = None, state=None):
         from interlace.model import _fast_tmp
 
         self.config = ModelConfig.model_validate(config)
         self.index = index
         self.collector = collector
         self.overrides = overrides or {}
+        self.state = state  # a Serve application's state deployment: this replica's gauges go there
         from interlace.cluster.janitor import remove_on_exit
 
         # Node-local and chosen here: the workers of this engine run on this node. One folder per
@@ -98,7 +102,29 @@ class Replica:
 
                     self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
                     self._engine = engine
+                    if self.state is not None:
+                        self._gauges_task = asyncio.get_running_loop().create_task(self._push_gauges())
         return self._engine
+
+    async def check_health(self) -> None:
+        """Serve's health check: a replica whose engine died is unhealthy (Serve replaces it)."""
+        engine = self._engine
+        if engine is not None and getattr(engine, "errored", False):
+            raise RuntimeError(f"replica {self.index}: its engine is dead")
+
+    async def _push_gauges(self, every_s: float = 1.0) -> None:
+        """Serve only: this replica's shards in flight, scheduler queue and KV-cache use, to the
+        metrics registry."""
+        replica = f"{os.getpid()}"
+        while True:
+            try:
+                stats = getattr(self._engine, "interlace_latest_stats", {}).get("scheduler")
+                await self.state.record_replica.remote(replica, self.in_flight,
+                                                       stats.num_waiting_reqs if stats is not None else None,
+                                                       float(stats.kv_cache_usage) if stats is not None else None)
+            except Exception:  # noqa: BLE001 - the state restarting: the next push lands
+                pass
+            await asyncio.sleep(every_s)
 
     # --- shards ------------------------------------------------------------------------------
 
@@ -171,28 +197,103 @@ class Replica:
         shutil.rmtree(watcher.folder, ignore_errors=True)
         return reports
 
-    async def run_here(self, task: ShardTask) -> tuple[list[Completion], list[Report]]:
-        """Run one shard for a caller in this process, without a collector: its completions and
-        its reports, saves as tensors here. A sweep's shard writer hosts a Replica this way, so
-        saved tensors go from the workers to the shard's files on this node."""
+    async def run_here(self, task: ShardTask) -> ShardOutcome:
+        """Run one shard for a caller without a collector: its completions and its reports, saves
+        as tensors (compact copies). A sweep's shard writer hosts a Replica this way, so saved
+        tensors go from the workers to the shard's files on this node; Serve's ingress calls it
+        through a deployment handle."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         engine = await self._engine_up()
+        started = time.time()
         self.in_flight += 1
         self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
         try:
             outputs = await self._generate(engine, task)
             watcher = await self._watch(task, set(task.expected()))
-            # Compact copies: the saves are views of the mapped report files removed below.
-            reports = [Report.from_worker({**raw, "saves": _compact(raw["saves"])}, trace=task.trace,
-                                          attempt=task.attempt) for raw in watcher.reports]
-            shutil.rmtree(watcher.folder, ignore_errors=True)
-            return [Completion.from_vllm(out) for out in outputs], reports
+            return ShardOutcome([Completion.from_vllm(out) for out in outputs], self._compact_reports(task, watcher),
+                                started, _first_token_s(outputs))
         except EngineDeadError:
             self._die(f"engine died while running shard {task.wire_trace}")
         finally:
             self.in_flight -= 1
             self.shards_served += 1
+
+    async def stream(self, task: ShardTask):
+        """Run one shard, yielding as it goes: ``("tokens", i, new token ids, new text)`` while
+        invoke ``i`` (its index in the shard) generates, ``("invoke", i, Completion, reports)`` once
+        it finished and every stage reported, and ``("started", time)`` first. Serve's ingress
+        streams these to an HTTP client as server-sent events."""
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from interlace.assembly import ReportWatcher, build_requests
+
+        engine = await self._engine_up()
+        wire = task.wire_trace
+        prompts, params = build_requests(task.prompts, task.payloads, {**task.settings, "output_kind": RequestOutputKind.DELTA},
+                                         wire, sink=f"dir:{self.sink_root}")
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, prompt, param) -> None:
+            rid = f"{wire}-{task.payloads[i].invoke if task.payloads[i] is not None else i}"
+            try:
+                async for out in engine.generate(prompt, param, rid):
+                    await events.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                await events.put((i, exc))
+                return
+            await events.put((i, None))
+
+        pumps = [asyncio.create_task(pump(i, p, q)) for i, (p, q) in enumerate(zip(prompts, params))]
+        watcher = ReportWatcher(self.sink_root, wire, set(task.expected()), REPORT_GRACE_S)
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        texts: dict[int, str] = {i: "" for i in range(len(prompts))}
+        finished: dict[int, Completion] = {}
+        sent: set[int] = set()
+        self.in_flight += 1
+        self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
+        try:
+            yield ("started", time.time())
+            while len(sent) < len(prompts):
+                try:
+                    i, out = await asyncio.wait_for(events.get(), _POLL_S * 4)
+                except asyncio.TimeoutError:
+                    i, out = None, None
+                if isinstance(out, BaseException):
+                    raise out
+                if out is not None:
+                    new = out.outputs[0]
+                    tokens[i] += new.token_ids
+                    texts[i] += new.text
+                    yield ("tokens", i, list(new.token_ids), new.text)
+                elif i is not None:
+                    finished[i] = Completion(tokens[i], texts[i])
+                watcher.poll()
+                for j in sorted(finished.keys() - sent):
+                    payload = task.payloads[j]
+                    if payload is not None and any((payload.invoke, s) in watcher.wanted for s in range(task.stages)):
+                        continue
+                    mine = [r for r in watcher.reports if payload is not None and r["invoke"] == payload.invoke]
+                    yield ("invoke", j, finished[j], [Report.from_worker({**raw, "saves": _compact(raw["saves"])},
+                                                                        trace=task.trace, attempt=task.attempt)
+                                                      for raw in mine])
+                    sent.add(j)
+        except EngineDeadError:
+            self._die(f"engine died while running shard {wire}")
+        finally:
+            for p in pumps:
+                p.cancel()
+            shutil.rmtree(watcher.folder, ignore_errors=True)
+            self.in_flight -= 1
+            self.shards_served += 1
+
+    def _compact_reports(self, task: ShardTask, watcher) -> list[Report]:
+        # Compact copies: the saves are views of the mapped report files removed here.
+        reports = [Report.from_worker({**raw, "saves": _compact(raw["saves"])}, trace=task.trace, attempt=task.attempt)
+                   for raw in watcher.reports]
+        shutil.rmtree(watcher.folder, ignore_errors=True)
+        return reports
 
     def _die(self, why: str) -> None:
         """End this process (and what is left of the engine's) so Ray restarts the actor."""
@@ -206,6 +307,22 @@ class Replica:
                 pass
         shutil.rmtree(self.sink_root, ignore_errors=True)
         os._exit(1)
+
+
+@dataclasses.dataclass
+class ShardOutcome:
+    """What ``run_here`` returns for one shard."""
+
+    completions: list[Completion]  # in the shard's invoke order
+    reports: list[Report]  # saves as tensors
+    started_at: float  # wall clock (time.time()) when the replica began the shard
+    first_token_s: float | None  # the engine's time to the shard's first token (None: not measured)
+
+
+def _first_token_s(outputs) -> float | None:
+    latencies = [out.metrics.first_token_latency for out in outputs
+                 if getattr(out, "metrics", None) is not None and getattr(out.metrics, "first_token_latency", 0)]
+    return min(latencies) if latencies else None
 
 
 async def _final(stream):

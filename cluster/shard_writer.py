@@ -183,7 +183,8 @@ class ShardRunner:
         payloads = encode_payloads(invokes, trace, "", plan.timeout_s, plan.max_save_bytes)
         stages = int(plan.model.get("pipeline_parallel_size", 1))
         task = ShardTask(trace, 0, 0, [r.prompt for r in rows], payloads, plan.settings, stages)
-        completions, reports = self._call(self.replica.run_here(task))
+        outcome = self._call(self.replica.run_here(task))
+        completions, reports = outcome.completions, outcome.reports
         for row, done in zip(rows, completions):
             outcome = outcomes[row.prompt_id]
             outcome.token_ids, outcome.text = list(done.token_ids), done.text

@@ -2,6 +2,7 @@
 
     interlace sweep SWEEP.yaml              # run a sweep, or resume it: finished shards are kept
     interlace sweep SWEEP.yaml --address auto   # on a running Ray cluster (ray job submit sets RAY_ADDRESS)
+    interlace serve SERVE.yaml              # the HTTP endpoint (Ray Serve) until Ctrl-C
 """
 
 from __future__ import annotations
@@ -18,8 +19,32 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("config", help="the sweep YAML (schema: interlace.cluster.config.SweepConfig)")
     sweep.add_argument("--address", default=None, help="Ray cluster to join ('auto', 'ray://host:10001'); "
                        "default: RAY_ADDRESS, else a local Ray")
+    serve = commands.add_parser("serve", help="serve the model over HTTP (a Ray Serve application)")
+    serve.add_argument("config", help="the serve YAML (schema: interlace.cluster.config.ServeConfig)")
+    serve.add_argument("--address", default=None, help="Ray cluster to join; default: RAY_ADDRESS, else a local Ray")
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(Path(args.config), args.address)
     return _sweep(Path(args.config), args.address)
+
+
+def _serve(path: Path, address: str | None) -> int:
+    from pydantic import ValidationError
+
+    from interlace.cluster.config import ServeConfig
+    from interlace.cluster.serve_app import serve_until_stopped
+
+    try:
+        cfg = ServeConfig.load(path)
+    except (OSError, ValidationError, ValueError) as exc:
+        print(f"interlace serve: {path}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve_until_stopped(cfg, address)
+    except ValueError as exc:  # no API tokens, a bad tokens document
+        print(f"interlace serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _sweep(path: Path, address: str | None) -> int:

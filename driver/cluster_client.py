@@ -213,7 +213,8 @@ class Cluster:
     async def _run_trace_once(self, trace_id: str, trace: Trace, payloads: list[InvokePayload | None]) -> TraceResult:
         attempts = itertools.count()  # unique per dispatch of any of the trace's shards
         stages = self.config.model.pipeline_parallel_size
-        shards = plan_shards(trace.invokes, payloads, len(self._replicas), self.config.min_shard_invokes)
+        shards = plan_shards(len(trace.invokes), joined_invokes(trace.invokes), len(self._replicas),
+                             self.config.min_shard_invokes)
         for _rerun in range(self.config.max_retries + 1):
             tasks = [ShardTask(trace_id, n, 0, [trace.invokes[i].prompt for i in indices],
                                [payloads[i] for i in indices], trace.settings, stages, self._node)
@@ -389,27 +390,37 @@ async def _cancel_tasks() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def connect(address: str | None = None, config: str | Path | ClusterConfig = "tiny-llama-2", **kwargs: Any) -> Cluster:
-    """A :class:`Cluster` on the Ray cluster at ``address`` ("auto", "ray://host:10001"; None:
-    start a local Ray)."""
+def connect(address: str | None = None, config: str | Path | ClusterConfig = "tiny-llama-2",
+            token: str | None = None, **kwargs: Any):
+    """The trace API wherever the model runs: ``"http://host:8000"`` (an interlace endpoint;
+    ``token`` or ``INTERLACE_API_TOKEN``) gives an :class:`interlace.remote.Remote`; a Ray address
+    ("auto", "ray://host:10001"; None: start a local Ray) a :class:`Cluster` of ``config``."""
+    if address is not None and address.startswith(("http://", "https://")):
+        from interlace.remote import Remote
+
+        return Remote(address, token=token, **kwargs)
     return Cluster(config, address=address, **kwargs)
 
 
-def plan_shards(invokes: Sequence[Invoke], payloads: Sequence[InvokePayload | None], replicas: int,
-                min_shard: int) -> list[list[int]]:
-    """Split a trace's invoke indices into at most ``replicas`` shards of at least ``min_shard``.
+def joined_invokes(invokes: Sequence[Invoke]) -> list[int]:
+    """The invokes that must share one engine: those whose program may ``send``/``recv``.
 
-    Invokes joined by ``send``/``recv`` must share a step on one engine; a program's use of them
-    cannot be known for sure, so the rule is conservative: plain and ops-only invokes are
-    independent, and so are invokes of a ``@interlace.batched`` program whose code names neither
-    ``send`` nor ``recv``; every other program invoke stays in the first shard, together.
+    A program's use of them cannot be known for sure, so the rule is conservative: plain and
+    ops-only invokes are independent, and so are invokes of a ``@interlace.batched`` program whose
+    code names neither ``send`` nor ``recv``; every other program invoke is joined.
     """
-    count = min(replicas, len(invokes) // min_shard)
+    return [i for i, inv in enumerate(invokes) if inv.program is not None and not _independent(inv.program)]
+
+
+def plan_shards(count_invokes: int, joined: Sequence[int], replicas: int, min_shard: int) -> list[list[int]]:
+    """Split a trace's invoke indices into at most ``replicas`` shards of at least ``min_shard``;
+    the ``joined`` invokes stay together in the first shard."""
+    count = min(replicas, count_invokes // min_shard)
     if count <= 1:
-        return [list(range(len(invokes)))]
-    joined = [i for i, inv in enumerate(invokes) if inv.program is not None and not _independent(inv.program)]
-    free = [i for i in range(len(invokes)) if i not in set(joined)]
-    target = -(-len(invokes) // count)
+        return [list(range(count_invokes))]
+    free = [i for i in range(count_invokes) if i not in set(joined)]
+    joined = list(joined)
+    target = -(-count_invokes // count)
     first = joined + free[:max(0, target - len(joined))]
     rest = free[len(first) - len(joined):]
     per = -(-len(rest) // (count - 1)) if rest else 1

@@ -19,7 +19,7 @@ import torch
 import interlace
 from interlace import ops
 from interlace.cluster.config import ClusterConfig
-from interlace.cluster_client import plan_shards
+from interlace.cluster_client import joined_invokes, plan_shards
 from interlace.trace import Invoke
 
 MAX_IN_FLIGHT = 4
@@ -114,7 +114,8 @@ def test_two_replicas_serve_a_mixed_workload_equal_to_one_engine(cluster, llama)
 def test_a_large_trace_is_split_across_replicas_and_its_shared_values_merge(cluster, llama):
     prompts = [f"Sample {i} of the sweep" for i in range(64)]
     invokes = [Invoke(p, pooled) for p in prompts]
-    assert [len(s) for s in plan_shards(invokes, [None] * 64, 2, cluster.config.min_shard_invokes)] == [32, 32]
+    assert joined_invokes(invokes) == []  # a batched program without send/recv: independent
+    assert [len(s) for s in plan_shards(64, [], 2, cluster.config.min_shard_invokes)] == [32, 32]
     before = [r["shards_served"] for r in cluster.replica_info()]
     results = []
     for target in (cluster, llama):

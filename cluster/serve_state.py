@@ -1,0 +1,102 @@
+"""The Serve application's shared state: one replica of a small deployment.
+
+Whatever must be the same for every ingress replica lives here: each token's traces in flight
+(its quota), results of asynchronous traces kept for ``GET /v1/traces/{id}`` (each readable only
+by the token that made it), cancel requests, and the metrics registry. Serve runs it with the
+application and restarts it if it dies (counters then restart from zero, which Prometheus expects
+of a restarted target).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+from interlace.cluster.metrics import ServeMetrics
+
+
+class ServeState:
+    def __init__(self, max_results: int = 1024, results_ttl_s: float = 3600.0):
+        self.metrics = ServeMetrics()
+        self.max_results, self.results_ttl_s = max_results, results_ttl_s
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        # trace id -> (owner, finished at, status, body, content type); None body: still running
+        self._results: collections.OrderedDict[str, tuple[str, float, int, bytes | None, str]] = collections.OrderedDict()
+        self._cancelled: set[str] = set()
+
+    # --- quotas ------------------------------------------------------------------------------
+
+    def acquire(self, caller: str, limit: int) -> bool:
+        """Count a new trace of ``caller``; False (and nothing counted) when it has ``limit`` running."""
+        if self._in_flight[caller] >= limit:
+            return False
+        self._in_flight[caller] += 1
+        self.metrics.in_flight.set(sum(self._in_flight.values()))
+        return True
+
+    def release(self, caller: str) -> None:
+        self._in_flight[caller] = max(0, self._in_flight[caller] - 1)
+        self.metrics.in_flight.set(sum(self._in_flight.values()))
+
+    def trace_done(self, caller: str, outcome: dict[str, Any]) -> None:
+        """A trace finished: its metrics, and its token's slot freed (one call per trace)."""
+        self.release(caller)
+        self.metrics.record_trace(outcome)
+
+    # --- asynchronous traces -----------------------------------------------------------------
+
+    def begin(self, trace_id: str, owner: str) -> None:
+        self._results[trace_id] = (owner, 0.0, 202, None, "")
+        self._expire()
+
+    def finish(self, trace_id: str, status: int, body: bytes, content_type: str) -> None:
+        entry = self._results.get(trace_id)
+        if entry is not None:
+            self._results[trace_id] = (entry[0], time.monotonic(), status, body, content_type)
+        self._cancelled.discard(trace_id)
+        self._expire()
+
+    def result(self, trace_id: str, owner: str) -> tuple[int, bytes | None, str] | None:
+        """(status, body, content type) of the owner's trace (body None: still running); None: unknown."""
+        entry = self._results.get(trace_id)
+        if entry is None or entry[0] != owner:
+            return None
+        return entry[2], entry[3], entry[4]
+
+    def cancel(self, trace_id: str, owner: str) -> str | None:
+        """Ask the ingress running the owner's trace to cancel it: "cancelling", "finished" (too
+        late), or None (no such trace of this owner)."""
+        entry = self._results.get(trace_id)
+        if entry is None or entry[0] != owner:
+            return None
+        if entry[3] is not None:
+            return "finished"
+        self._cancelled.add(trace_id)
+        return "cancelling"
+
+    def cancelled(self, trace_ids: list[str]) -> list[str]:
+        return [t for t in trace_ids if t in self._cancelled]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        done = [t for t, e in self._results.items() if e[3] is not None]
+        for trace_id in done:
+            if now - self._results[trace_id][1] > self.results_ttl_s:
+                del self._results[trace_id]
+        while len(self._results) > self.max_results:
+            oldest = next((t for t, e in self._results.items() if e[3] is not None), None)
+            if oldest is None:
+                break
+            del self._results[oldest]
+
+    # --- metrics -----------------------------------------------------------------------------
+
+    def record_request(self, route: str, status: int) -> None:
+        self.metrics.record_request(route, status)
+
+    def record_replica(self, replica: str, in_flight: int, waiting: int | None, kv_cache_usage: float | None) -> None:
+        self.metrics.record_replica(replica, in_flight, waiting, kv_cache_usage)
+
+    def exposition(self) -> bytes:
+        return self.metrics.exposition()

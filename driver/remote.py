@@ -1,0 +1,186 @@
+"""A model behind an interlace HTTP endpoint, with the trace API of ``interlace.Model``.
+
+    >>> import interlace
+    >>> model = interlace.connect("http://127.0.0.1:8000", token="...")   # or INTERLACE_API_TOKEN
+    >>> with model.trace(max_tokens=4) as tr:                            # exactly as with Model
+    ...     tr.invoke("Hello", ops=[interlace.ops.save("layers.1.resid", tokens="last")])
+    >>> tr.result[0].saves["layers.1.resid"].shape
+
+Declarative ops travel as JSON (tensors as base64 safetensors) and work with any token; programs
+travel pickled by value and need a token whose role is ``code``. ``submit(trace)`` returns a
+future; ``stream(trace)`` yields the server's events (tokens as they are generated, each invoke as
+it completes, then the result). Errors are the ones ``Model`` raises (``InterventionError`` with
+the worker's traceback and the partial result, ``WorkerDied``); what the server refuses raises
+:class:`RequestRefused` with its HTTP status.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import os
+from typing import Any, Iterator
+
+import cloudpickle
+
+from interlace.model import DEFAULT_MAX_SAVE_BYTES, Model, Trace
+from interlace.settings import trace_timeout_s
+from interlace.trace import InterventionError, TraceResult, WorkerDied, check_trace
+
+
+class RequestRefused(RuntimeError):
+    """The endpoint refused a request (auth, limits, an invalid trace): ``status`` is the HTTP code."""
+
+    def __init__(self, status: int, type_: str, message: str):
+        super().__init__(f"HTTP {status} {type_}: {message}")
+        self.status, self.type = status, type_
+
+
+class Remote:
+    """See the module docstring. ``token``: an API token (default: ``INTERLACE_API_TOKEN``)."""
+
+    trace = Model.trace
+    generate = Model.generate
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 900.0, max_parallel: int = 64):
+        import httpx
+
+        token = token or os.environ.get("INTERLACE_API_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=max_parallel, max_keepalive_connections=max_parallel)
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, limits=limits)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, thread_name_prefix="interlace-remote")
+        self._tree = None
+
+    @property
+    def tree(self):
+        """The model's module names, from the endpoint (ops are checked here before sending)."""
+        from interlace.workers.points import ModuleTree
+
+        if self._tree is None:
+            self._tree = ModuleTree(names=self._json("GET", "/v1/model")["module_names"])
+        return self._tree
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    def __enter__(self) -> "Remote":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- traces ------------------------------------------------------------------------------
+
+    def _run(self, trace: Trace) -> TraceResult:
+        return self._send(trace, self.encode(trace))
+
+    def submit(self, trace: Trace) -> concurrent.futures.Future:
+        """Run ``trace`` (built outside a ``with`` block) in the background: a future of its result."""
+        body = self.encode(trace)  # errors in the trace raise here, not in the future
+        return self._pool.submit(self._send, trace, body)
+
+    def stream(self, trace: Trace) -> Iterator[dict[str, Any]]:
+        """The server's events for ``trace``: ``{"event": "tokens", "invoke", "token_ids", "text"}``
+        as tokens are generated, ``{"event": "invoke", ...}`` when an invoke completed (its saves
+        under ``"saves"``, tensors), and last ``{"event": "result", "result": TraceResult}``."""
+        from safetensors.torch import load
+
+        from interlace.cluster.http_api import TraceResponse
+
+        body = self.encode(trace) | {"stream": True}
+        with self._http.stream("POST", "/v1/traces", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                self._raise(response.status_code, _body(response))
+            event = None
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: "):
+                    data = json.loads(line[6:])
+                    if event == "invoke":
+                        data["saves"] = load(base64.b64decode(data.pop("tensors"))) if data.get("tensors") else {}
+                        yield {"event": event, **data}
+                    elif event == "result":
+                        yield {"event": event, "result": self._decode(trace, TraceResponse.model_validate(data))}
+                    elif event == "error":
+                        self._raise(data.pop("status"), data)
+                    else:
+                        yield {"event": event, **data}
+
+    def encode(self, trace: Trace) -> dict[str, Any]:
+        """The trace as the JSON body of ``POST /v1/traces`` (checked against the model first)."""
+        from interlace.cluster.http_api import HttpOp, InvokeRequest, TraceRequest
+        from interlace.cluster_client import _programs_by_value
+
+        check_trace(trace.invokes, trace.settings, self.tree)  # the very checks Model makes
+        settings = dict(trace.settings)
+        invokes = []
+        with _programs_by_value(inv.program for inv in trace.invokes):
+            for inv in trace.invokes:
+                program = None
+                if inv.program is not None:
+                    program = base64.b64encode(cloudpickle.dumps(inv.program)).decode()
+                invokes.append(InvokeRequest(
+                    prompt=inv.prompt if isinstance(inv.prompt, str) else list(inv.prompt),
+                    ops=[HttpOp.of(op) for op in inv.ops], program=program,
+                    batched=bool(getattr(inv.program, "__interlace_batched__", False)), steps=inv.steps))
+        # Model.trace's defaults stay unsaid: the server's own limits apply to them.
+        timeout_s = None if trace.timeout_s == trace_timeout_s() else trace.timeout_s
+        max_save = None if trace.max_save_bytes == DEFAULT_MAX_SAVE_BYTES else trace.max_save_bytes
+        request = TraceRequest(
+            invokes=invokes, max_tokens=settings.pop("max_tokens"), temperature=settings.pop("temperature"),
+            seed=settings.pop("seed"), logprobs=settings.pop("logprobs") is not None, timeout_s=timeout_s,
+            max_save_bytes=max_save, sampling=settings)
+        return request.model_dump(mode="json", exclude_defaults=True) | {"invokes": [
+            inv.model_dump(mode="json", exclude_defaults=True) for inv in request.invokes]}
+
+    # --- HTTP --------------------------------------------------------------------------------
+
+    def _send(self, trace: Trace, body: dict) -> TraceResult:
+        from interlace.cluster.http_api import TraceResponse
+
+        response = self._http.post("/v1/traces", json=body)
+        if response.status_code != 200:
+            self._raise(response.status_code, _body(response), trace)
+        return self._decode(trace, TraceResponse.model_validate(response.json()))
+
+    def _json(self, method: str, path: str) -> dict:
+        response = self._http.request(method, path)
+        if response.status_code != 200:
+            self._raise(response.status_code, _body(response))
+        return response.json()
+
+    def _decode(self, trace: Trace, response) -> TraceResult:
+        from interlace.cluster.http_api import decode_result
+
+        result = decode_result(response)
+        for inv, sent in zip(result.invokes, trace.invokes):
+            inv.prompt = sent.prompt
+        return result
+
+    def _raise(self, status: int, data: dict, trace: Trace | None = None):
+        from interlace.cluster.http_api import TraceResponse
+
+        error = data.get("error", {}) if isinstance(data, dict) else {}
+        kind, message = error.get("type", "Error"), error.get("message", str(data))
+        if kind == "InterventionError":
+            partial = error.get("partial")
+            if partial is not None and trace is not None:
+                partial = self._decode(trace, TraceResponse.model_validate(partial))
+            raise InterventionError(error["invoke"], error["record"], partial=partial)
+        if kind == "WorkerDied":
+            raise WorkerDied(message)
+        raise RequestRefused(status, kind, message)
+
+
+def _body(response) -> dict:
+    """An error answer's JSON, or its text as one (a proxy in between may answer in HTML)."""
+    try:
+        return response.json()
+    except ValueError:
+        return {"error": {"type": f"HTTP{response.status_code}", "message": response.text[:500]}}
