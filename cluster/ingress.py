@@ -199,6 +199,8 @@ class Ingress:
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                     for i in indices:  # a new attempt reports afresh
                         reports.pop(i, None)
+                    # Serve replaces a dead replica; until its router knows, a retry may meet it again.
+                    await asyncio.sleep(min(2.0 ** attempt, 10.0))
                     continue
                 except Exception as exc:  # noqa: BLE001 - vLLM refusing a request: token ids past the vocabulary...
                     if not _refused_by_engine(exc):

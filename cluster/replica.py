@@ -77,7 +77,8 @@ class Replica:
                 "module_names": self._module_names}
 
     def engine_pids(self) -> list[int]:
-        """The engine's processes (engine core first, then its workers): this actor's descendants."""
+        """The engine's processes (its engine core, its workers, multiprocessing helpers): this
+        actor's descendants."""
         import psutil
 
         return [p.pid for p in psutil.Process().children(recursive=True)]

@@ -32,6 +32,11 @@ from interlace.cluster.replica import Replica
 from interlace.cluster.serve_state import ServeState
 
 
+# Serve logs every call at INFO (the state deployment's metrics calls are several per request):
+# warnings only, and no access log; Prometheus metrics say what the traffic was.
+_QUIET = {"log_level": "WARNING", "enable_access_log": False}
+
+
 def build_app(args: dict[str, Any] | ServeConfig | str) -> Application:
     """The application for ``args``: a ServeConfig, its fields (Serve's ``args``), or
     ``{"config": path}`` (``serve run ... config=path``)."""
@@ -41,12 +46,12 @@ def build_app(args: dict[str, Any] | ServeConfig | str) -> Application:
     _check_tokens(cfg)  # a server nobody may call is refused before anything starts
     cluster = cfg.cluster
     state = serve.deployment(ServeState, name="InterlaceState", num_replicas=1, max_ongoing_requests=100_000,
-                             ray_actor_options={"num_cpus": 0}).bind(cfg.limits.max_results_kept,
+                             logging_config=_QUIET, ray_actor_options={"num_cpus": 0}).bind(cfg.limits.max_results_kept,
                                                                      cfg.limits.results_ttl_s)
     engine = serve.deployment(Replica, name="InterlaceEngine", **_engine_options(cfg)).bind(
         cluster.model.model_dump(), state=state)
     ingress = serve.deployment(serve.ingress(api)(Ingress), name="InterlaceIngress",
-                               num_replicas=cfg.ingress_replicas, max_ongoing_requests=10_000,
+                               num_replicas=cfg.ingress_replicas, max_ongoing_requests=10_000, logging_config=_QUIET,
                                ray_actor_options={"num_cpus": 0,
                                                   "runtime_env": {"env_vars": _auth_env(cfg)}}).bind(
         cfg.model_dump(mode="json"), engine, state)
@@ -65,6 +70,7 @@ def _engine_options(cfg: ServeConfig) -> dict[str, Any]:
                            "runtime_env": {"env_vars": env}},
         placement_group_bundles=[cluster.resources.bundle()] * world,
         placement_group_strategy=cluster.placement_strategy,
+        logging_config=_QUIET,
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,

@@ -14,12 +14,14 @@ import concurrent.futures
 import json
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
 
 import cloudpickle
 import httpx
+import psutil
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -61,7 +63,7 @@ def endpoint():
 
     assert not ray.is_initialized()
     os.environ["INTERLACE_API_TOKENS"] = TOKENS
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=400 << 20)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=400 << 20, log_to_driver=False)
     cfg = ServeConfig.model_validate({"cluster": {"model": "tiny-llama", "replicas": 1, "max_in_flight": 8},
                                       "port": _free_port(), "limits": LIMITS})
     url = serve_app.start(cfg)
@@ -311,6 +313,32 @@ def test_metrics_move_by_exactly_the_traffic(endpoint, analyst, coder):
     assert delta("interlace_completion_seconds_count") == 4
     kv = [value for (name, _), value in after.items() if name == "interlace_kv_cache_usage"]
     assert len(kv) == 1 and 0 <= kv[0] <= 1  # one engine replica reports its KV-cache use
+
+
+def test_a_killed_engine_is_replaced_and_its_trace_delivered_once(endpoint, analyst, llama):
+    from ray import serve
+
+    engine = serve.get_deployment_handle("InterlaceEngine", app_name="interlace")
+    before = engine.info.remote().result()
+    tr = analyst.trace(max_tokens=480, ignore_eos=True)  # a few seconds of generation on this machine
+    tr.invoke("Survive this", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
+    running = analyst.submit(tr)
+    time.sleep(0.7)  # it is generating
+    assert not running.done()
+    core = [p for p in map(psutil.Process, before["engine_pids"]) if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    os.kill(core[0].pid, signal.SIGKILL)  # the engine core, by pid
+    got = running.result(timeout=300)
+    with llama.trace(max_tokens=480, ignore_eos=True) as want:
+        want.invoke("Survive this", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
+    assert_same(got, want.result)
+    assert_same(script_ops(analyst), script_ops(llama))  # and it keeps serving
+    assert engine.info.remote().result()["pid"] != before["pid"]  # on a new replica
+
+
+def script_ops(target):
+    with target.trace(max_tokens=3) as tr:
+        tr.invoke("After the kill", ops=[ops.save("layers.2.resid", tokens="last")])
+    return tr.result
 
 
 # --- hostile payloads --------------------------------------------------------------------------
