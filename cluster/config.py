@@ -428,13 +428,15 @@ class SweepIntervention(BaseModel):
 
 
 class SweepInput(BaseModel):
-    """The prompts: JSONL, Parquet or CSV files, one prompt a row."""
+    """The prompts: JSONL, Parquet or CSV files, or Hugging Face datasets saved to disk; one prompt a row."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     paths: list[str] = Field(description="Files or folders (relative: from the sweep YAML's folder), or URLs "
                              "pyarrow/fsspec reads (s3://...). Rows are read in this order.")
-    format: str = Field("auto", description="json (JSONL), parquet, csv, or auto: from the first path's suffix.")
+    format: str = Field("auto", description="json (JSONL), parquet, csv, hf (a folder written by datasets' "
+                        "Dataset.save_to_disk), or auto: from the first path (its suffix, or hf for a folder "
+                        "holding state.json and dataset_info.json).")
     column: str = Field("prompt", description="The column holding each prompt: text, or a list of token ids.")
     limit: int | None = Field(None, gt=0, description="Use only the first this many rows (after the shuffle).")
     shuffle_seed: int | None = Field(None, description="Shuffle the rows with this seed before the limit; "
@@ -444,20 +446,28 @@ class SweepInput(BaseModel):
     def _check(self) -> "SweepInput":
         if not self.paths:
             raise ValueError("input.paths is empty; list the JSONL/Parquet/CSV files of prompts")
-        if self.format not in ("auto", "json", "parquet", "csv"):
-            raise ValueError(f"input.format {self.format!r}: choose auto, json, parquet or csv")
+        if self.format not in ("auto", "json", "parquet", "csv", "hf"):
+            raise ValueError(f"input.format {self.format!r}: choose auto, json, parquet, csv or hf")
         return self
 
     def resolved_format(self) -> str:
         if self.format != "auto":
             return self.format
+        if is_hf_dataset_folder(self.paths[0]):
+            return "hf"
         name = self.paths[0].rstrip("/").lower()
         for suffixes, fmt in (((".jsonl", ".json", ".jsonl.gz", ".json.gz"), "json"),
                               ((".parquet", ".pq"), "parquet"), ((".csv", ".csv.gz"), "csv")):
             if name.endswith(suffixes):
                 return fmt
         raise ValueError(f"input.format auto: cannot tell the format of {self.paths[0]!r}; set format: "
-                         "json, parquet or csv")
+                         "json, parquet, csv or hf")
+
+
+def is_hf_dataset_folder(path: str) -> bool:
+    """A local folder as ``datasets.Dataset.save_to_disk`` writes it (state.json, dataset_info.json)."""
+    p = Path(path)
+    return not _is_url(path) and (p / "state.json").is_file() and (p / "dataset_info.json").is_file()
 
 
 class GenerationConfig(BaseModel):

@@ -6,7 +6,9 @@ the cluster's actors wrap, driven through its ``run_here``), turns one shard of 
 trace on it, and writes the shard's files itself, so saved tensors go from the workers' reports
 to disk on this node and never through the driver. The driver only gets a small record back.
 
-Files of shard k, each written under a temporary name and renamed into place, in this order:
+Files of shard k in a local output folder, each written under a temporary name and renamed into
+place, in this order (an object-store output names the first two per attempt instead, since it
+cannot rename: see :mod:`interlace.cluster.sweep_store`):
 
 - ``shard-0000k.safetensors``: every save name's rows concatenated over the shard's prompts (in
   prompt id order), plus the shard's partial trace-shared values under ``__shared__/<name>``;
@@ -29,6 +31,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from interlace.cluster.sweep_store import SweepStore, attempt_stem
 
 SHARED_PREFIX = "__shared__/"
 SHARED_META = "interlace.shared"
@@ -88,7 +92,7 @@ class ShardRunner:
         from interlace.cluster.replica import Replica
 
         self.plan: RunPlan = cloudpickle.loads(plan)
-        self.out = Path(self.plan.output)
+        self.out = SweepStore(self.plan.output)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="interlace-sweep", daemon=True).start()
         slot = os.environ.get("INTERLACE_SWEEP_SLOT", "0")  # fixed per pool slot: a restart cleans its folder
@@ -242,22 +246,21 @@ def _reap_on_exit(pids: list[int]) -> None:
 # --- writing -----------------------------------------------------------------------------------
 
 
-def write_shard(folder: Path, shard: int, rows: list[PromptRow], outcomes: dict[int, Outcome], **facts: Any) -> dict:
-    """Write shard ``shard``'s tensors, index and record (in that order, each renamed into place);
-    returns the record (``facts`` added: where and how long it ran)."""
+def write_shard(store: SweepStore, shard: int, rows: list[PromptRow], outcomes: dict[int, Outcome], **facts: Any) -> dict:
+    """Write shard ``shard``'s tensors, index and record (in that order, each committed whole:
+    renamed into place, or one object PUT); returns the record (``facts`` added: where and how
+    long it ran)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    from safetensors.torch import save_file
 
     tensors, spans, failures = _concat_saves(rows, outcomes)
     shared, shared_meta, shared_errors = _shared_partials(rows, outcomes)
     stem = shard_stem(shard)
-    tensor_file, index_file = f"{stem}.safetensors", f"{stem}.parquet"
+    files = attempt_stem(stem, store)
+    tensor_file, index_file = f"{files}.safetensors", f"{files}.parquet"
     payload = {**tensors, **{SHARED_PREFIX + n: v for n, v in shared.items()}}
-    _atomic(folder / tensor_file, lambda tmp: save_file(payload, tmp, metadata={SHARED_META: json.dumps(shared_meta)}))
-    table = pa.table(_index_columns(shard, rows, outcomes, spans))
-    _atomic(folder / index_file, lambda tmp: pq.write_table(table, tmp))
-    sizes = {name: (folder / name).stat().st_size for name in (tensor_file, index_file)}
+    store.put_tensors(tensor_file, payload, {SHARED_META: json.dumps(shared_meta)})
+    store.put_table(index_file, pa.table(_index_columns(shard, rows, outcomes, spans)))
+    sizes = {name: store.size(name) for name in (tensor_file, index_file)}
     first_error = next(({"prompt_id": r.prompt_id, "error": outcomes[r.prompt_id].error.splitlines()[0]}
                         for r in rows if outcomes[r.prompt_id].error), None)
     record = {
@@ -271,17 +274,8 @@ def write_shard(folder: Path, shard: int, rows: list[PromptRow], outcomes: dict[
                   for n, t in tensors.items()},
         "shared": shared_meta, "shared_errors": shared_errors, "first_error": first_error, **facts,
     }
-    _atomic(folder / f"{stem}.json", lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
+    store.put_bytes(f"{stem}.json", json.dumps(record, indent=1).encode())  # the commit
     return record
-
-
-def _atomic(path: Path, write: Callable[[str], Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _concat_saves(rows: list[PromptRow], outcomes: dict[int, Outcome]):

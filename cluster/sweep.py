@@ -9,7 +9,8 @@ Or from a shell: ``interlace sweep SWEEP.yaml`` (``python -m interlace sweep``).
 
 How it runs, on Ray Data:
 
-1. The input files are read with ``ray.data.read_json/read_parquet/read_csv`` (in file order),
+1. The input files are read with ``ray.data.read_json/read_parquet/read_csv`` (in file order;
+   a folder written by ``datasets``' ``save_to_disk`` with pyarrow, :func:`read_hf_dataset`),
    shuffled with the seed and cut to the limit; each row's position is its prompt id, and shard k
    holds prompt ids ``[k * shard_size, (k + 1) * shard_size)``. Malformed rows (no prompt, an empty
    one) are kept in their shard with their error; they never reach an engine.
@@ -22,9 +23,10 @@ How it runs, on Ray Data:
    versions, counts, status, per-shard records, summary), prints progress, and at the end merges
    the shards' partial shared values into ``shared.safetensors``.
 
-Exactly once: a shard's files are renamed into place before its record, and a shard counts as done
-only when its record exists with files of the recorded sizes. A shard whose actor died runs again
-(same file names); a driver killed mid-sweep loses nothing committed, and a rerun of the same
+Exactly once: a shard's files are committed (renamed into place in a local folder; on an object
+store, PUT under names unique to the attempt, see :mod:`interlace.cluster.sweep_store`) before
+its record, and a shard counts as done only when its record exists with files of the recorded
+sizes. A shard whose actor died runs again (in a folder, under the same file names); a driver killed mid-sweep loses nothing committed, and a rerun of the same
 command runs only the shards without a record.
 """
 
@@ -52,6 +54,7 @@ from interlace.cluster.shard_writer import (
     merge_partials,
     shard_stem,
 )
+from interlace.cluster.sweep_store import SweepStore, is_url
 
 MANIFEST = "manifest.json"
 SHARED_FILE = "shared.safetensors"
@@ -73,8 +76,8 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
     Ray is not initialized (None: ``RAY_ADDRESS`` or a local one); ``echo(line, final)``: progress."""
     import ray
 
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = SweepStore(cfg.output)
+    out.make()
     identity = _identity_hash(cfg)
     manifest = _start_manifest(out, cfg, identity)
     plan = _plan(cfg, identity, base_dir or cfg.base_dir)  # programs imported and tensor files read before any engine starts
@@ -121,15 +124,19 @@ def read_prompts(cfg: SweepInput) -> list[PromptRow]:
     import pyarrow as pa
     import ray.data
 
-    reader = {"json": ray.data.read_json, "parquet": ray.data.read_parquet, "csv": ray.data.read_csv}[cfg.resolved_format()]
-    context = ray.data.DataContext.get_current()
-    before = context.execution_options.preserve_order
-    context.execution_options.preserve_order = True  # row order is what fixes prompt ids
-    try:
-        refs = reader(_expand(cfg.paths)).to_arrow_refs()
-        table = pa.concat_tables(ray.get(refs), promote_options="permissive")
-    finally:
-        context.execution_options.preserve_order = before
+    fmt = cfg.resolved_format()
+    if fmt == "hf":
+        table = pa.concat_tables([read_hf_dataset(p) for p in cfg.paths], promote_options="permissive")
+    else:
+        reader = {"json": ray.data.read_json, "parquet": ray.data.read_parquet, "csv": ray.data.read_csv}[fmt]
+        context = ray.data.DataContext.get_current()
+        before = context.execution_options.preserve_order
+        context.execution_options.preserve_order = True  # row order is what fixes prompt ids
+        try:
+            refs = reader(_expand(cfg.paths)).to_arrow_refs()
+            table = pa.concat_tables(ray.get(refs), promote_options="permissive")
+        finally:
+            context.execution_options.preserve_order = before
     values = table.column(cfg.column).to_pylist() if cfg.column in table.column_names else [None] * table.num_rows
     order = list(range(table.num_rows))
     if cfg.shuffle_seed is not None:
@@ -137,6 +144,34 @@ def read_prompts(cfg: SweepInput) -> list[PromptRow]:
     if cfg.limit is not None:
         order = order[:cfg.limit]
     return [PromptRow(i, src, *_checked(values[src], cfg.column, table.column_names)) for i, src in enumerate(order)]
+
+
+def read_hf_dataset(path: str):
+    """A folder written by ``datasets.Dataset.save_to_disk`` (local, or a pyarrow.fs URL), as one
+    ``pyarrow.Table``: its Arrow IPC stream files in state.json's order (no ``datasets`` needed)."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.ipc as ipc
+
+    fs, root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), str(Path(path).resolve()))
+    try:
+        with fs.open_input_stream(f"{root}/state.json") as f:
+            state = json.loads(f.read())
+    except FileNotFoundError as exc:
+        hint = (" (a DatasetDict: list one split's folder, e.g. {path}/train)"
+                if fs.get_file_info(f"{root}/dataset_dict.json").type == pafs.FileType.File else "")
+        raise FileNotFoundError(f"input path {path} has no state.json{hint.format(path=path)}; an hf input is a "
+                                "folder written by Dataset.save_to_disk") from exc
+    if state.get("_indices_data_files"):
+        raise ValueError(f"input path {path} keeps an indices mapping (_indices_data_files, which older "
+                         "datasets versions wrote); save it again with a current datasets, or flatten_indices() first")
+    tables = []
+    for data_file in state.get("_data_files") or []:
+        with fs.open_input_stream(f"{root}/{data_file['filename']}") as f:
+            tables.append(ipc.open_stream(f).read_all())
+    if not tables:
+        raise ValueError(f"input path {path}: state.json lists no _data_files; is it a saved Dataset?")
+    return pa.concat_tables(tables)
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -179,7 +214,8 @@ def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes
 
     program = _import_program(cfg.intervention, base_dir)
     plan = RunPlan(
-        sweep_id=identity[:10], output=str(Path(cfg.output).resolve()), model=cfg.cluster.model.model_dump(),
+        sweep_id=identity[:10], output=cfg.output if is_url(cfg.output) else str(Path(cfg.output).resolve()),
+        model=cfg.cluster.model.model_dump(),
         program=program, steps=cfg.intervention.steps, ops=[op.build() for op in cfg.intervention.ops],
         settings=cfg.generation.settings(),
         timeout_s=cfg.generation.timeout_s or max(settings.trace_timeout_s(), 600.0),
@@ -216,7 +252,7 @@ def _import_program(intervention: SweepIntervention, base_dir: str | Path | None
 
 
 def _run_pending(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[int], manifest: dict,
-                 out: Path, progress: "_Progress") -> None:
+                 out: SweepStore, progress: "_Progress") -> None:
     # No progress bars: ours is the progress line. Dispatch once every replica's engine is up:
     # otherwise the first one up takes all the shards while the others are still starting.
     with _data_context(enable_progress_bars=False, wait_for_min_actors_s=_WAIT_FOR_REPLICAS_S):
@@ -224,7 +260,7 @@ def _run_pending(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: 
 
 
 def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[int], manifest: dict,
-            out: Path, progress: "_Progress") -> None:
+            out: SweepStore, progress: "_Progress") -> None:
     import cloudpickle
     import ray.data
 
@@ -277,7 +313,7 @@ def _data_context(**settings: Any):
             setattr(context, name, value)
 
 
-def _stop(out: Path, manifest: dict, why: str) -> None:
+def _stop(out: SweepStore, manifest: dict, why: str) -> None:
     manifest["status"] = f"stopped: {why}"
     _write_manifest(out, manifest)
     raise SweepStopped(f"sweep stopped: {why}")
@@ -314,19 +350,20 @@ def _actor_resources(cfg: SweepConfig) -> dict:
 # --- output folder ------------------------------------------------------------------------------
 
 
-def committed_shards(out: Path, shards: int) -> dict[int, dict]:
-    """The shards whose record exists and whose files have the recorded sizes."""
+def committed_shards(out: SweepStore, shards: int) -> dict[int, dict]:
+    """The shards whose record exists and whose files have the recorded sizes (the records are
+    the truth: files no record names, such as a killed attempt's, are never counted)."""
     done = {}
+    sizes = out.sizes()  # one listing
     for k in range(shards):
-        path = out / f"{shard_stem(k)}.json"
-        if not path.is_file():
+        if f"{shard_stem(k)}.json" not in sizes:
             continue
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(out.read_bytes(f"{shard_stem(k)}.json") or b"")
         except ValueError:
             continue
         files = record.get("files", {}).values()
-        if all((out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["bytes"] for f in files):
+        if all(sizes.get(f["name"]) == f["bytes"] for f in files):
             done[k] = record
     return done
 
@@ -335,24 +372,36 @@ def _identity_hash(cfg: SweepConfig) -> str:
     return hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _start_manifest(out: Path, cfg: SweepConfig, identity: str) -> dict:
-    path = out / MANIFEST
-    if path.exists():
-        old = json.loads(path.read_text())
+def _start_manifest(out: SweepStore, cfg: SweepConfig, identity: str) -> dict:
+    before = out.read_bytes(MANIFEST)
+    if before is not None:
+        old = json.loads(before)
         if old.get("identity") != identity:
-            raise ValueError(f"{out} holds another sweep (its manifest's input, intervention, generation, shard "
+            raise ValueError(f"{out.output} holds another sweep (its manifest's input, intervention, generation, shard "
                              "size or model differ from this config's); choose another output folder, or remove "
                              "that one to start over")
-    return {"format": FORMAT, "identity": identity, "status": "starting", "config": cfg.model_dump(mode="json"),
+    config = cfg.model_dump(mode="json")
+    config["output"] = _without_secret(config["output"])
+    return {"format": FORMAT, "identity": identity, "status": "starting", "config": config,
             "versions": _versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": {}}
 
 
-def _write_manifest(out: Path, manifest: dict) -> None:
-    from interlace.cluster.shard_writer import _atomic
+def _without_secret(output: str) -> str:
+    """The output URL as the manifest keeps it: no credentials from its user part or query."""
+    if not is_url(output):
+        return output
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+    parts = urlsplit(output)
+    query = [(k, "***" if k in ("secret_key", "session_token") else v) for k, v in parse_qsl(parts.query)]
+    netloc = parts.netloc.rpartition("@")[2] if "@" in parts.netloc else parts.netloc
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe=":*/")))
+
+
+def _write_manifest(out: SweepStore, manifest: dict) -> None:
     manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     manifest["shards"] = dict(sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])))
-    _atomic(out / MANIFEST, lambda tmp: Path(tmp).write_text(json.dumps(manifest, indent=1)))
+    out.put_bytes(MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
 def _versions() -> dict[str, str | None]:
@@ -365,20 +414,17 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
-def _merge_shared(out: Path, manifest: dict) -> dict:
+def _merge_shared(out: SweepStore, manifest: dict) -> dict:
     """Merge every shard's partial shared values (in shard order) into ``shared.safetensors``."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from interlace.cluster.shard_writer import _atomic
+    from interlace.sweep import shard_tensors
 
     parts: dict[str, list] = {}
     for key, record in manifest["shards"].items():
         if not record.get("shared"):
             continue
-        with safe_open(out / record["files"]["tensors"]["name"], framework="pt") as f:
-            for name, meta in record["shared"].items():
-                parts.setdefault(name, []).append((meta["merge"], f.get_tensor(SHARED_PREFIX + name), meta["count"]))
+        tensors = shard_tensors(out, record["files"]["tensors"]["name"])
+        for name, meta in record["shared"].items():
+            parts.setdefault(name, []).append((meta["merge"], tensors.get_tensor(SHARED_PREFIX + name), meta["count"]))
     merged, merges, errors = {}, {}, []
     for name, items in parts.items():
         hows = {how for how, _, _ in items}
@@ -387,7 +433,7 @@ def _merge_shared(out: Path, manifest: dict) -> dict:
             continue
         merges[name] = hows.pop()
         merged[name] = merge_partials(items, merges[name]).contiguous()
-    _atomic(out / SHARED_FILE, lambda tmp: save_file(merged, tmp, metadata={SHARED_META: json.dumps(merges)}))
+    out.put_tensors(SHARED_FILE, merged, {SHARED_META: json.dumps(merges)})
     return {"file": SHARED_FILE, "merges": merges,
             "errors": errors + [e for r in manifest["shards"].values() for e in r.get("shared_errors", [])]}
 

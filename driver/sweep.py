@@ -1,4 +1,4 @@
-"""Reading a sweep's output folder: a lazy, memory-mapped view.
+"""Reading a sweep's output (a local folder, or an object-store URL): a lazy view.
 
     >>> import interlace
     >>> sweep = interlace.open_sweep("out/my-sweep")
@@ -17,17 +17,23 @@ per prompt; ``<name>.offset`` and ``<name>.length`` locate its rows of each save
     >>> row = pq.read_table("out/my-sweep/shard-00000.parquet").to_pylist()[3]
     >>> with safe_open("out/my-sweep/shard-00000.safetensors", "pt") as f:
     ...     rows = f.get_slice("layers.2.resid")[row["layers.2.resid.offset"]:][:row["layers.2.resid.length"]]
+
+On an object store the shards' file names carry an attempt tag (``shard-00000.1a2b3c4d.parquet``):
+take them from each shard's record, ``shard-00000.json`` (``files.index.name``,
+``files.tensors.name``), and never from a listing, which may hold a killed attempt's leftovers.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
 from interlace.cluster.shard_writer import INDEX_COLUMNS
+from interlace.cluster.sweep_store import SweepStore
 
 
 @dataclass
@@ -50,14 +56,15 @@ class SweepPrompt:
 
 
 class Sweep:
-    """A finished (or partial) sweep folder; see the module docstring."""
+    """A finished (or partial) sweep; see the module docstring."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        manifest = self.path / "manifest.json"
-        if not manifest.is_file():
+        self.store = SweepStore(path)
+        self.path = self.store.local if self.store.local is not None else self.store.output
+        manifest = self.store.read_bytes("manifest.json")
+        if manifest is None:
             raise FileNotFoundError(f"{self.path} has no manifest.json; is it a sweep's output folder?")
-        self.manifest: dict = json.loads(manifest.read_text())
+        self.manifest: dict = json.loads(manifest)
         self.records = {int(k): r for k, r in self.manifest["shards"].items()}
         self.shard_size: int = self.manifest["config"]["shard_size"]
         self._files: dict[int, Any] = {}  # shard -> its open safetensors file (memory-mapped)
@@ -78,9 +85,8 @@ class Sweep:
     def index(self):
         """Every shard's index as one ``pyarrow.Table``, in prompt id order."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        tables = [pq.read_table(self.path / r["files"]["index"]["name"]) for _, r in sorted(self.records.items())]
+        tables = [self.store.read_table(r["files"]["index"]["name"]) for _, r in sorted(self.records.items())]
         if not tables:
             return pa.table({c: [] for c in INDEX_COLUMNS})
         return pa.concat_tables(tables, promote_options="default")
@@ -95,9 +101,7 @@ class Sweep:
             raise KeyError(f"prompt {prompt_id} is not in this sweep (prompts 0-{self.manifest['counts']['prompts'] - 1}; "
                            f"shards written: {len(self.records)} of {self.manifest['counts']['shards']})")
         if shard not in self._indexes:
-            import pyarrow.parquet as pq
-
-            self._indexes[shard] = pq.read_table(self.path / self.records[shard]["files"]["index"]["name"])
+            self._indexes[shard] = self.store.read_table(self.records[shard]["files"]["index"]["name"])
         return SweepPrompt(self._indexes[shard].slice(prompt_id - shard * self.shard_size, 1).to_pylist()[0], self)
 
     def __iter__(self) -> Iterator[SweepPrompt]:
@@ -107,10 +111,10 @@ class Sweep:
     @cached_property
     def shared(self) -> dict[str, Any]:
         """Trace-shared values merged over the whole sweep."""
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        path = self.path / "shared.safetensors"
-        return load_file(path) if path.is_file() else {}
+        data = self.store.read_bytes("shared.safetensors")
+        return load(data) if data is not None else {}
 
     def _rows(self, row: dict, name: str):
         handle = self._open(row["shard"])
@@ -119,14 +123,87 @@ class Sweep:
 
     def _open(self, shard: int):
         if shard not in self._files:
-            from safetensors import safe_open
-
-            self._files[shard] = safe_open(self.path / self.records[shard]["files"]["tensors"]["name"], framework="pt")
+            self._files[shard] = shard_tensors(self.store, self.records[shard]["files"]["tensors"]["name"])
         return self._files[shard]
 
 
+def shard_tensors(store: SweepStore, name: str):
+    """A shard's tensors file, opened for ``get_slice(name)[a:b]`` / ``get_tensor(name)``: memory-mapped
+    when local, read by byte range (only the rows asked for) on an object store."""
+    if store.local is not None:
+        from safetensors import safe_open
+
+        return safe_open(store.local / name, framework="pt")
+    return _RangeTensors(store.open_input(name))
+
+
+class _RangeTensors:
+    """A ``.safetensors`` object read by byte ranges: its header once, then only the rows sliced."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        size = struct.unpack("<Q", handle.read_at(8, 0))[0]
+        self.header = json.loads(handle.read_at(size, 8))
+        self.header.pop("__metadata__", None)
+        self.base = 8 + size
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get_tensor(self, name: str):
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        return self._read(begin, end - begin, info["dtype"], info["shape"])
+
+    def get_slice(self, name: str) -> "_RangeSlice":
+        return _RangeSlice(self, name)
+
+    def _read(self, begin: int, nbytes: int, dtype: str, shape: list[int]):
+        import torch
+
+        torch_dtype = _dtypes().get(dtype)
+        if torch_dtype is None:
+            raise ValueError(f"safetensors dtype {dtype} is not one a sweep writes ({sorted(_dtypes())})")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        data = bytearray(self.handle.read_at(nbytes, self.base + begin))
+        return torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
+
+
+@dataclass
+class _RangeSlice:
+    tensors: _RangeTensors
+    name: str
+
+    def __getitem__(self, key: slice):
+        info = self.tensors.header[self.name]
+        shape, (begin, end) = info["shape"], info["data_offsets"]
+        if not isinstance(key, slice) or not shape:
+            raise TypeError(f"{self.name}: a remote sweep reads rows by a slice of the first dimension, got {key!r}")
+        start, stop, step = key.indices(shape[0])
+        if step != 1:
+            raise TypeError(f"{self.name}: slice rows with step 1, got {key!r}")
+        stop = max(stop, start)
+        row_bytes = (end - begin) // shape[0] if shape[0] else 0
+        return self.tensors._read(begin + start * row_bytes, (stop - start) * row_bytes, info["dtype"],
+                                  [stop - start, *shape[1:]])
+
+
+@cache
+def _dtypes() -> dict[str, Any]:
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 def open_sweep(path: str | Path) -> Sweep:
-    """A lazy view of the sweep written to ``path`` (see :mod:`interlace.sweep`)."""
+    """A lazy view of the sweep written to ``path``: a local folder, or a URL ``pyarrow.fs`` opens
+    (``s3://bucket/prefix?endpoint_override=...``, ``gs://...``, ``file:///abs/path``; see
+    :mod:`interlace.cluster.sweep_store` for credentials). Local tensors are memory-mapped; memory
+    mapping is for local files only, so on an object store each access reads the rows it needs by
+    byte range (the header once per shard) and each shard's index once."""
     return Sweep(path)
 
 

@@ -386,6 +386,93 @@ def stop_private_ray(temp: Path) -> None:
     shutil.rmtree(temp, ignore_errors=True)
 
 
+# --- a Hugging Face dataset saved to disk in, an S3 API (moto, on 127.0.0.1) out -------------------
+
+
+def write_hf_dataset(folder: Path, column: str, parts: list[list[str]]) -> Path:
+    """What ``datasets.Dataset.save_to_disk`` writes, made with pyarrow: Arrow IPC stream files
+    named data-0000i-of-0000n.arrow (schema metadata 'huggingface' holding the features), and
+    state.json / dataset_info.json with sorted keys."""
+    import pyarrow as pa
+
+    folder.mkdir()
+    features = {column: {"dtype": "string", "_type": "Value"}}
+    schema = pa.schema([(column, pa.string())], metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    names = [f"data-{i:05d}-of-{len(parts):05d}.arrow" for i in range(len(parts))]
+    for name, rows in zip(names, parts):
+        with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_table(pa.table({column: rows}, schema=schema))
+    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": "0123456789abcdef", "_format_columns": None,
+             "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+    (folder / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    info = {"builder_name": None, "citation": "", "config_name": None, "dataset_name": None, "dataset_size": None,
+            "description": "", "download_checksums": None, "download_size": None, "features": features,
+            "homepage": "", "license": "", "post_processed": None, "post_processing_size": None,
+            "size_in_bytes": None, "splits": None, "supervised_keys": None, "version": None}
+    (folder / "dataset_info.json").write_text(json.dumps(info, indent=2))
+    return folder
+
+
+@pytest.fixture
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"{host}:{port}"
+    finally:
+        server.stop()
+
+
+def test_a_saved_hf_dataset_sweeps_into_an_object_store_and_reads_back(ray_cluster, tmp_path, llama, s3_server,
+                                                                       monkeypatch):
+    import pyarrow.fs as pafs
+
+    prompts = text_prompts(10)
+    write_hf_dataset(tmp_path / "prompts_ds", "text", [prompts[:6], prompts[6:]])  # two data files, in order
+    query = f"endpoint_override={s3_server}&scheme=http&region=us-east-1"
+    url = f"s3://sweeps/steer?{query}"
+    fs, _ = pafs.FileSystem.from_uri(f"s3://testing:testing@sweeps?{query}&allow_bucket_creation=true")
+    fs.create_dir("sweeps")
+    # A killed attempt of shard 1 left its tensors behind (no record): never read, never counted.
+    with fs.open_output_stream("sweeps/steer/shard-00001.0badc0de.safetensors") as f:
+        f.write(b"half a shard")
+    save_file({"steer": STEER}, tmp_path / "vec.safetensors")
+    cfg = SweepConfig.load(write_config(
+        tmp_path, "hf", cluster={**CLUSTER, "replicas": 1}, input={"paths": ["prompts_ds"], "column": "text"},
+        output=f"s3://testing:testing@sweeps/steer?{query}", shard_size=4, generation={"max_tokens": 2},
+        intervention={"ops": [{"op": "add", "point": "layers.1.resid", "value": {"file": "vec.safetensors", "name": "steer"}},
+                              {"op": "save", "point": "layers.2.resid", "name": "r2"}]})
+)
+    assert cfg.input.resolved_format() == "hf"
+    manifest = run_sweep(cfg)
+    assert manifest["status"] == "complete" and manifest["counts"] == {"prompts": 10, "shards": 3, "shard_size": 4}
+    assert "testing:testing" not in json.dumps(manifest)  # no credentials kept in the manifest
+    names = {info.base_name: info.size for info in fs.get_file_info(pafs.FileSelector("sweeps/steer"))}
+    for record in manifest["shards"].values():  # each shard's objects under attempt-unique names, as recorded
+        for f in record["files"].values():
+            assert names[f["name"]] == f["bytes"] and f["name"] != "shard-00001.0badc0de.safetensors"
+
+    with llama.trace(max_tokens=2) as tr:
+        for p in prompts:
+            tr.invoke(p, ops=[ops.add("layers.1.resid", STEER), ops.save("layers.2.resid", name="r2")])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # credentials from the environment this time
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    sweep = interlace.open_sweep(url)
+    assert len(sweep) == 10 and sweep.to_pandas()["prompt_id"].tolist() == list(range(10))
+    for i, want in enumerate(tr.result):
+        assert sweep[i].prompt == prompts[i] and sweep[i].error is None
+        assert sweep[i].token_ids == want.token_ids
+        assert_close(sweep[i].saves["r2"], want.saves["r2"])
+
+    again = run_sweep(cfg)  # a rerun finds every shard committed in the store and writes none
+    assert again["summary"]["prompts_this_run"] == 0 and again["shards"] == manifest["shards"]
+    assert {info.base_name: info.size for info in fs.get_file_info(pafs.FileSelector("sweeps/steer"))
+            if info.base_name.startswith("shard-")} == {n: b for n, b in names.items() if n.startswith("shard-")}
+
+
 # --- the config alone (no engine) -----------------------------------------------------------------
 
 
