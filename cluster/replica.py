@@ -55,7 +55,7 @@ class Replica:
         self.sink_root.mkdir(parents=True)
         remove_on_exit(self.sink_root)
         self._engine = None
-        self._starting: asyncio.Lock | None = None
+        self._starting: asyncio.Task | None = None  # the engine's start, shared by every caller
         self._module_names: list[str] = []
         self.in_flight = 0
         self.max_in_flight_seen = 0
@@ -86,26 +86,31 @@ class Replica:
     def shutdown(self) -> None:
         from interlace.cluster.engine import shutdown_engine
 
-        engine, self._engine = self._engine, None
+        engine, self._engine, self._starting = self._engine, None, None
         if engine is not None:
             shutdown_engine(engine)
         shutil.rmtree(self.sink_root, ignore_errors=True)
 
     async def _engine_up(self):
+        # One start, shielded: a caller that gives up waiting (a readiness probe's time-out, a
+        # cancelled request) must not cancel the start half-way for every caller after it.
         if self._engine is None:
-            self._starting = self._starting or asyncio.Lock()
-            async with self._starting:
-                if self._engine is None:
-                    from interlace.cluster.engine import start_async_engine
-
-                    engine = await start_async_engine(self.config, **self.overrides)
-                    from interlace.cluster.engine import all_module_names
-
-                    self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
-                    self._engine = engine
-                    if self.state is not None:
-                        self._gauges_task = asyncio.get_running_loop().create_task(self._push_gauges())
+            self._starting = self._starting or asyncio.get_running_loop().create_task(self._start_engine())
+            await asyncio.shield(self._starting)
         return self._engine
+
+    async def _start_engine(self) -> None:
+        from interlace.cluster.engine import all_module_names, start_async_engine
+
+        try:
+            engine = await start_async_engine(self.config, **self.overrides)
+            self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
+        except BaseException:
+            self._starting = None  # the next caller tries again
+            raise
+        self._engine = engine
+        if self.state is not None:
+            self._gauges_task = asyncio.get_running_loop().create_task(self._push_gauges())
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is unhealthy (Serve replaces it)."""

