@@ -145,7 +145,11 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _model_by_name(cls, data: Any) -> Any:
+    def _by_name(cls, data: Any) -> Any:
+        """A cluster given by name or YAML path wherever one is expected (``cluster: tiny-llama-2``
+        in a sweep or serve config); its model by name too."""
+        if isinstance(data, (str, Path)):
+            return cls.load(data).model_dump()  # fields, re-validated below: a before-validator returns input
         if isinstance(data, dict) and isinstance(data.get("model"), str):
             data = {**data, "model": ModelConfig.load(data["model"])}
         return data
@@ -257,13 +261,6 @@ class ServeConfig(BaseModel):
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API tokens and roles.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _cluster_by_name(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("cluster"), str):
-            data = {**data, "cluster": ClusterConfig.load(data["cluster"])}
-        return data
 
     @classmethod
     def load(cls, source: "str | Path | dict | ServeConfig") -> "ServeConfig":
@@ -509,13 +506,6 @@ class SweepConfig(BaseModel):
                                   "while the last is written).")
     max_failures: int | None = Field(None, ge=0, description="Stop once more prompts than this have failed; None: never.")
     _base_dir: str | None = PrivateAttr(None)  # the YAML's folder: where the program's module is looked for first
-
-    @model_validator(mode="before")
-    @classmethod
-    def _cluster_by_name(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("cluster"), str):
-            data = {**data, "cluster": ClusterConfig.load(data["cluster"])}
-        return data
 
     @classmethod
     def load(cls, path: str | Path) -> "SweepConfig":

@@ -129,6 +129,9 @@ class Ingress:
     async def _invokes(self, req: TraceRequest, trace_id: str):
         """The trace's invokes and payloads: ops built from data, programs left pickled (never
         unpickled here: the workers do, for code tokens only)."""
+        import base64
+        import binascii
+
         import cloudpickle
 
         from interlace.trace import Invoke, check_trace, encode_payloads
@@ -146,9 +149,6 @@ class Ingress:
         for index, inv in enumerate(req.invokes):
             if inv.program is None:
                 continue
-            import base64
-            import binascii
-
             try:
                 program = base64.b64decode(inv.program, validate=True)
             except (binascii.Error, ValueError):
