@@ -33,5 +33,22 @@ case "${1:-}" in
         | grep -v -e WARNING -e INFO -e '^\[W' -e '^$' | tee -a "${OUT:-/tmp}/ab-$name.log" \
         | grep -e '^none' -e '^ops' -e '^prog' -e 'runner.execute_model' -e 'Error' || true
     done ;;
-  *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME NAME ...' [cases]" >&2; exit 2 ;;
+  runner)
+    # The same alternation with bench/runner_bench.py (interlace/plain ratios, paired in each
+    # process): bash bench/ab_revisions.sh runner "9284079 tree 9284079 tree" [cases] [repeats]
+    if [ ! -d /tmp/site/vllm ]; then mkdir -p /tmp/site && cat /tmp/stash/chunk* | xz -d -T8 | tar -x -C /tmp/site; fi
+    export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
+    for name in $2; do
+      lib=/tmp/ab-lib-$name
+      if [ ! -d "$lib" ]; then
+        src=.; [ "$name" = tree ] || src=./.ab/$name
+        pip install -q --no-deps --no-build-isolation --no-index --target "$lib" "$src" >/dev/null 2>&1
+      fi
+      echo "=== $name $(date +%T)"
+      PYTHONPATH=/tmp/site:$lib timeout "${PER_RUN_S:-280}" python3 bench/runner_bench.py \
+          --cases "${3:-none,ops-save4,prog-save4,ops-steer1,prog-steer1}" --repeats "${4:-3}" 2>&1 \
+        | grep -v -e WARNING -e INFO -e '^\[W' -e '^$' | tee -a "${OUT:-/tmp}/ab-runner-$name.log" \
+        | grep -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
+    done ;;
+  *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" >&2; exit 2 ;;
 esac

@@ -94,6 +94,13 @@ class Tokens:
         raw = yaml.safe_load(text) if not text.lstrip().startswith("{") else json.loads(text)
         return cls(TokensDocument.model_validate(raw).tokens, cfg.anonymous_role)
 
+    def digests_document(self) -> str:
+        """The tokens document (JSON) with every token replaced by its SHA-256: what may be shown
+        to whoever can read a process's environment."""
+        entries = [{"name": e.name, "sha256": digest.hex(), "role": e.role, "max_in_flight": e.max_in_flight}
+                   for digest, e in self._by_digest.items()]
+        return json.dumps({"tokens": entries})
+
     def caller(self, authorization: str | None) -> Caller | None:
         """The caller of a request with this ``Authorization`` header; None: refused (401)."""
         if not authorization:

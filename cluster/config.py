@@ -90,8 +90,9 @@ class ModelConfig(BaseModel):
 
 
 class ResourcesConfig(BaseModel):
-    """What one engine rank (one TP x PP worker) takes from the Ray cluster: one placement-group
-    bundle per rank."""
+    """What one engine rank (one TP x PP worker) takes from the Ray cluster. A replica's ranks share
+    one node: its placement group is one bundle of every rank's resources
+    (:mod:`interlace.cluster.placement`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -104,15 +105,6 @@ class ResourcesConfig(BaseModel):
         default_factory=dict, description="Further Ray resources per rank, e.g. {'interlace_slot': 1}."
     )
 
-    def bundle(self) -> dict[str, float]:
-        """One rank's placement-group bundle."""
-        bundle = {"CPU": self.num_cpus, **self.custom}
-        if self.num_gpus:
-            bundle["GPU"] = self.num_gpus
-        if self.accelerator_type:
-            bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
-        return {k: v for k, v in bundle.items() if v}
-
 
 class ClusterConfig(BaseModel):
     """A model served by ``replicas`` engines on a Ray cluster, with the driver's bounds.
@@ -124,12 +116,8 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     model: ModelConfig = Field(description="The model every replica serves (a bundled name or the fields).")
-    replicas: int = Field(1, ge=1, description="Engine replicas (each TP x PP ranks on its own placement group).")
+    replicas: int = Field(1, ge=1, description="Engine replicas (each TP x PP ranks on one node, its own placement group).")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray resources per rank.")
-    placement_strategy: str = Field(
-        "PACK", description="Placement of one replica's rank bundles: PACK (one node where it fits) or "
-        "SPREAD (across nodes; multi-node pipelines)."
-    )
     max_in_flight: int = Field(8, ge=1, description="Trace shards running at once on one replica (backpressure).")
     max_queued: int = Field(
         10_000, ge=1, description="Traces the driver holds (queued and running); submit() waits past it."
@@ -153,13 +141,6 @@ class ClusterConfig(BaseModel):
         if isinstance(data, dict) and isinstance(data.get("model"), str):
             data = {**data, "model": ModelConfig.load(data["model"])}
         return data
-
-    @model_validator(mode="after")
-    def _check(self) -> "ClusterConfig":
-        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"placement_strategy {self.placement_strategy!r}: choose PACK (default), SPREAD, "
-                             "STRICT_PACK or STRICT_SPREAD")
-        return self
 
     @classmethod
     def load(cls, name_or_path: "str | Path | ClusterConfig") -> "ClusterConfig":

@@ -69,14 +69,15 @@ def sweep_config(values: dict) -> SweepConfig:
 
 
 def worker_pods(cluster: ClusterConfig, gpus_per_worker: float, replicas: int) -> int:
-    """GPU worker pods that ``replicas`` engine replicas need: a replica is pipeline_parallel_size
-    groups of tensor_parallel_size ranks, and one group sits on one pod."""
-    group = cluster.model.tensor_parallel_size * cluster.resources.num_gpus
-    if group <= 0 or group > gpus_per_worker:
-        raise ValueError(f"a tensor-parallel group needs {group} GPUs but a worker pod has {gpus_per_worker}; "
-                         "set resources.num_gpus to 1 and workers.gpusPerWorker to at least tensor_parallel_size")
-    per_pod = math.floor(gpus_per_worker / group)
-    return math.ceil(replicas * cluster.model.pipeline_parallel_size / per_pod)
+    """GPU worker pods that ``replicas`` engine replicas need: a replica's tensor_parallel_size x
+    pipeline_parallel_size ranks share one pod (:mod:`interlace.cluster.placement`)."""
+    replica = cluster.model.world_size * cluster.resources.num_gpus
+    if replica <= 0 or replica > gpus_per_worker:
+        raise ValueError(f"one replica needs {replica:g} GPUs on one node (tensor_parallel_size x "
+                         f"pipeline_parallel_size x resources.num_gpus) but a worker pod has {gpus_per_worker:g}; "
+                         "set resources.num_gpus to 1 and workers.gpusPerWorker to at least the replica's ranks")
+    per_pod = math.floor(gpus_per_worker / replica)
+    return math.ceil(replicas / per_pod)
 
 
 def worker_group_size(values: dict, which: str = "serve") -> tuple[int, int]:

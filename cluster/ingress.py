@@ -177,6 +177,7 @@ class Ingress:
         completions: list = [None] * len(invokes)
         reports: dict[int, list] = {}
         timing = {"started": None, "first_token": None}
+        sent = _StreamSent()  # what a streaming client has, across a shard's attempts
 
         async def shard(n: int, indices: list[int]) -> None:
             for attempt in range(self.config.cluster.max_retries + 1):
@@ -194,7 +195,8 @@ class Ingress:
                         for r in outcome.reports:
                             reports.setdefault(r.invoke, []).append(r)
                     else:
-                        await self._stream_shard(task, indices, completions, reports, timing, on_event)
+                        sent.new_attempt(indices)
+                        await self._stream_shard(task, indices, completions, reports, timing, sent.filter(on_event))
                     return
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                     for i in indices:  # a new attempt reports afresh
@@ -215,19 +217,24 @@ class Ingress:
         return assemble(invokes, completions, reports), run_timing
 
     async def _stream_shard(self, task, indices, completions, reports, timing, on_event) -> None:
-        async for event in self.engine.options(stream=True).stream.remote(task):
-            kind = event[0]
-            if kind == "started":
-                timing["started"] = min(filter(None, [timing["started"], event[1]]))
-            elif kind == "tokens":
-                timing["first_token"] = timing["first_token"] or time.time()
-                await on_event("tokens", {"invoke": indices[event[1]], "token_ids": event[2], "text": event[3]})
-            else:
-                _, j, done, invoke_reports = event
-                completions[indices[j]] = done
-                for r in invoke_reports:
-                    reports.setdefault(r.invoke, []).append(r)
-                await on_event("invoke", _invoke_event(indices[j], done, invoke_reports))
+        async for message in self.engine.options(stream=True).stream.remote(task):
+            # The engine deployment sends what a stream gathered meanwhile as one ("batch", events).
+            for event in message[1] if message[0] == "batch" else [message]:
+                await self._stream_event(event, indices, completions, reports, timing, on_event)
+
+    async def _stream_event(self, event, indices, completions, reports, timing, on_event) -> None:
+        kind = event[0]
+        if kind == "started":
+            timing["started"] = min(filter(None, [timing["started"], event[1]]))
+        elif kind == "tokens":
+            timing["first_token"] = timing["first_token"] or time.time()
+            await on_event("tokens", {"invoke": indices[event[1]], "token_ids": event[2], "text": event[3]})
+        else:
+            _, j, done, invoke_reports = event
+            completions[indices[j]] = done
+            for r in invoke_reports:
+                reports.setdefault(r.invoke, []).append(r)
+            await on_event("invoke", _invoke_event(indices[j], done, invoke_reports))
 
     async def finish(self, run: _Run, on_event=None) -> tuple[int, bytes, str, dict]:
         """Run the trace to its answer: (status, body, content type, metrics outcome)."""
@@ -377,26 +384,43 @@ class Ingress:
         await self.state.finish.remote(run.trace_id, status, payload, content_type)
 
     async def _events(self, run: _Run) -> AsyncIterator[bytes]:
+        """The trace's server-sent events. Each chunk handed to Serve is a message through this
+        replica and the proxy whatever its size: what arrived while the last chunk went out goes
+        as one chunk, an invoke's token deltas merged into one event."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def on_event(kind: str, data: dict) -> None:
-            await queue.put(_sse(kind, data))
+            queue.put_nowait((kind, data))
 
         async def produce() -> None:
             try:
                 status, payload, _, outcome = await self.finish(run, on_event)
+            except Exception as exc:  # noqa: BLE001 - a fault of the server's: the stream ends saying so
+                await self.state.release.remote(run.caller.name)
+                body = _error_bytes(500, "InternalError", f"{type(exc).__name__}: {exc}")[1]
+                queue.put_nowait(("error", _with_status(body, 500)))
+                queue.put_nowait(None)
+                return
             except BaseException:
                 await self.state.release.remote(run.caller.name)
-                await queue.put(None)
+                queue.put_nowait(None)
                 raise
             await self._record(run, outcome)
-            await queue.put(_sse("result" if status == 200 else "error", json.loads(payload) | {"status": status}))
-            await queue.put(None)
+            queue.put_nowait(("result" if status == 200 else "error", _with_status(payload, status)))
+            queue.put_nowait(None)
 
         producer = asyncio.get_running_loop().create_task(produce())
         try:
-            while (item := await queue.get()) is not None:
-                yield item
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                if items[-1] is not None:
+                    yield _sse_chunk(items)
+                    continue
+                if len(items) > 1:
+                    yield _sse_chunk(items[:-1])
+                return
         finally:
             producer.cancel()
 
@@ -464,6 +488,91 @@ def _binary(response: TraceResponse) -> bytes:
 
 def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+class _StreamSent:
+    """What a streaming client was sent, per invoke, so that a shard run again on a new engine
+    replica (its replica died mid-stream) sends only what is new: the tokens the client has are
+    skipped as the new attempt generates them again, and an ``invoke`` event it has is not sent
+    twice. Where the new attempt generates other tokens than were sent (sampling without a seed), a
+    ``restart`` event tells the client to drop what it has of that invoke, and the attempt's tokens
+    so far follow: a client never holds tokens its result does not have."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, list[int]] = {}  # invoke -> token ids the client has
+        self.text: dict[int, str] = {}
+        self.done: dict[int, list[int]] = {}  # invoke -> the token ids of the invoke event it has
+        self.now_ids: dict[int, list[int]] = {}  # invoke -> this attempt's tokens so far
+        self.now_text: dict[int, str] = {}
+
+    def new_attempt(self, indices: list[int]) -> None:
+        for i in indices:
+            self.now_ids[i], self.now_text[i] = [], ""
+
+    def filter(self, on_event):
+        async def send(kind: str, data: dict) -> None:
+            for event in self._new(kind, data):
+                await on_event(*event)
+        return send
+
+    def _new(self, kind: str, data: dict) -> list[tuple[str, dict]]:
+        i = data["invoke"]
+        if kind == "invoke":
+            if self.done.get(i) == data["token_ids"]:
+                return []  # the client has this invoke's event from an earlier attempt
+            events = self._restart(i) if i in self.done else []
+            self.done[i] = list(data["token_ids"])
+            return events + [(kind, data)]
+        self.now_ids[i] += data["token_ids"]
+        self.now_text[i] += data["text"]
+        have, now = self.ids.get(i, []), self.now_ids[i]
+        if now[:len(have)] == have[:len(now)] and self.now_text[i].startswith(self.text.get(i, "")[:len(self.now_text[i])]):
+            if len(now) <= len(have):
+                return []  # generated again, already sent
+            new = {**data, "token_ids": now[len(have):], "text": self.now_text[i][len(self.text.get(i, "")):]}
+            self.ids[i], self.text[i] = list(now), self.now_text[i]
+            return [("tokens", new)]
+        events = self._restart(i) + [("tokens", {**data, "token_ids": list(now), "text": self.now_text[i]})]
+        self.ids[i], self.text[i] = list(now), self.now_text[i]
+        return events
+
+    def _restart(self, i: int) -> list[tuple[str, dict]]:
+        self.done.pop(i, None)
+        return [("restart", {"invoke": i, "reason": "the invoke ran again on another engine replica and "
+                             "generated other tokens: drop what was sent of it"})]
+
+
+def _with_status(payload: bytes, status: int) -> bytes:
+    """An answer's JSON object (compact, one line) with ``"status"`` added, without parsing it again."""
+    body = payload.rstrip()
+    if not body.startswith(b"{") or not body.endswith(b"}") or b"\n" in body:
+        return json.dumps(json.loads(payload) | {"status": status}).encode()
+    return body[:-1] + (b", " if body != b"{}" else b"") + f'"status": {status}}}'.encode()
+
+
+def _sse_chunk(items: list[tuple[str, Any]]) -> bytes:
+    """Events as one chunk: the token deltas of an invoke that arrived together merged into one
+    ``tokens`` event (in order, ahead of any other event); a final answer's data is JSON bytes."""
+    out: list[bytes] = []
+    pending: dict[int, dict] = {}  # invoke -> its merged tokens event
+
+    def flush() -> None:
+        out.extend(_sse("tokens", data) for data in pending.values())
+        pending.clear()
+
+    for kind, data in items:
+        if kind == "tokens":
+            merged = pending.get(data["invoke"])
+            if merged is None:
+                pending[data["invoke"]] = {**data, "token_ids": list(data["token_ids"])}
+            else:
+                merged["token_ids"] += data["token_ids"]
+                merged["text"] += data["text"]
+            continue
+        flush()
+        out.append(f"event: {kind}\ndata: ".encode() + data + b"\n\n" if isinstance(data, bytes) else _sse(kind, data))
+    flush()
+    return b"".join(out)
 
 
 def _validation_message(exc: ValidationError) -> str:

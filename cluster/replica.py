@@ -1,7 +1,8 @@
 """An engine replica: a Ray actor hosting one vLLM ``AsyncLLM`` with interlace installed.
 
-The driver places each replica on a placement group of one bundle per TP x PP rank (its ranks are
-the engine's own multiprocessing workers, on the actor's node) and sends it trace shards
+The driver places each replica on a placement group of one bundle holding every TP x PP rank's
+resources (its ranks are the engine's own multiprocessing workers, on the actor's node, on the
+bundle's GPUs: :mod:`interlace.cluster.placement`) and sends it trace shards
 (:class:`interlace.wire.ShardTask`). Many shards run at once: every invoke is one request to the
 async engine, and a shard's requests are gathered together. The workers write reports to a
 ``dir:`` sink in a node-local folder chosen here at start-up; the replica reads each shard's
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from interlace.cluster.config import ModelConfig
+from interlace.cluster.config import ClusterConfig, ModelConfig
 from interlace.wire import Completion, Report, SavesOnNode, SavesRef, ShardTask
 
 REPORT_GRACE_S = 30.0  # how long to wait for a shard's reports after its generation ended
@@ -351,24 +352,22 @@ def _compact(value: Any) -> Any:
     return value
 
 
-def replica_actor(placement_group, max_in_flight: int, cores: list[int] | None, max_restarts: int = -1,
-                  num_gpus: float = 0.0):
-    """The Replica class as a Ray actor on ``placement_group``'s first bundle. The actor itself
-    takes a sliver of a CPU: its ranks' bundles hold the replica's compute. ``num_gpus``: the
-    GPUs of a one-rank replica's bundle, taken by the actor so that Ray points its engine at them
-    (``CUDA_VISIBLE_DEVICES``)."""
+def replica_actor(placement_group, cluster: ClusterConfig, cores: list[int] | None, max_restarts: int = -1):
+    """The Replica class as a Ray actor in ``placement_group``'s one bundle, holding its GPUs (see
+    :mod:`interlace.cluster.placement`: Ray points the engine's ranks at them)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from interlace.cluster.placement import host_actor_options
 
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if cores:
         env["INTERLACE_CPU_CORES"] = ",".join(map(str, cores))
     return ray.remote(Replica).options(
-        num_cpus=0.01,
-        num_gpus=num_gpus,
+        **host_actor_options(cluster),
         max_restarts=max_restarts,
         max_task_retries=0,  # the driver re-runs a dead replica's shards itself, as new attempts
-        max_concurrency=max_in_flight + 16,  # plus status calls
+        max_concurrency=cluster.max_in_flight + 16,  # plus status calls
         runtime_env={"env_vars": env},
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=0,

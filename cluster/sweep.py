@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from interlace.cluster.config import SweepConfig, SweepInput, SweepIntervention
+from interlace.cluster.placement import check_fits_a_node, replica_bundle
 from interlace.cluster.shard_writer import (
     SHARED_META,
     SHARED_PREFIX,
@@ -264,6 +265,7 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     import cloudpickle
     import ray.data
 
+    check_fits_a_node(cfg.cluster)  # an actor no node can hold would leave the pool waiting forever
     size = cfg.shard_size
     items = [{"shard": k, "rows": cloudpickle.dumps(rows[k * size:(k + 1) * size])} for k in pending]
     results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
@@ -334,16 +336,15 @@ def _slot_args(cfg: SweepConfig) -> Callable[[], dict]:
 
 
 def _actor_resources(cfg: SweepConfig) -> dict:
-    """One actor holds one replica: every rank's resources (its ranks are its own processes)."""
-    res, ranks = cfg.cluster.resources, cfg.cluster.model.world_size
-    args: dict[str, Any] = {"num_cpus": res.num_cpus * ranks, "max_restarts": -1,
+    """One actor holds one replica: its one-node bundle's resources (its ranks are its own
+    processes; :mod:`interlace.cluster.placement`)."""
+    bundle = replica_bundle(cfg.cluster)
+    args: dict[str, Any] = {"num_cpus": bundle.pop("CPU", 0.0), "max_restarts": -1,
                             "max_task_retries": cfg.cluster.max_retries}
-    if res.num_gpus:
-        args["num_gpus"] = res.num_gpus * ranks
-    if res.accelerator_type:
-        args["accelerator_type"] = res.accelerator_type
-    if res.custom:
-        args["resources"] = {k: v * ranks for k, v in res.custom.items()}
+    if "GPU" in bundle:
+        args["num_gpus"] = bundle.pop("GPU")
+    if bundle:
+        args["resources"] = bundle  # custom resources and the accelerator type's marker
     return args
 
 

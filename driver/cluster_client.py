@@ -121,23 +121,22 @@ class Cluster:
         from ray.util.placement_group import placement_group
 
         from interlace.cluster.collector import start_collector
+        from interlace.cluster.placement import check_fits_a_node, replica_bundle
         from interlace.cluster.replica import replica_actor
 
         cfg = self.config
+        # Before a placement group waits forever for a node this cluster will never have.
+        check_fits_a_node(cfg)
         self._room = asyncio.Condition()
         self.collector = start_collector()
         self._node = ray.get_runtime_context().get_node_id()  # replicas here leave saves in files for us
-        bundles = [cfg.resources.bundle()] * cfg.model.world_size
         for index in range(cfg.replicas):
-            group = placement_group(bundles, strategy=cfg.placement_strategy, name=f"{self.name}-r{index}")
+            group = placement_group([replica_bundle(cfg)], name=f"{self.name}-r{index}")
             self._replicas.append(_ReplicaSlot(index, None, group))
         for slot in self._replicas:
             await slot.placement_group.ready()
             cores = cfg.cpu_cores[slot.index % len(cfg.cpu_cores)] if cfg.cpu_cores else None
-            # A one-rank replica's actor takes its bundle's GPU, so Ray points the engine at it. (With
-            # TP x PP ranks the engine's own workers need every bundle's GPU: not mapped yet.)
-            gpus = cfg.resources.num_gpus if cfg.model.world_size == 1 else 0.0
-            slot.actor = replica_actor(slot.placement_group, cfg.max_in_flight, cores, num_gpus=gpus).remote(
+            slot.actor = replica_actor(slot.placement_group, cfg, cores).remote(
                 cfg.model.model_dump(), slot.index, self.collector, f"{self.name}-r{slot.index}", engine_overrides)
         infos = await asyncio.gather(*(slot.actor.ready.remote() for slot in self._replicas))
         for slot, info in zip(self._replicas, infos):

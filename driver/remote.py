@@ -20,6 +20,7 @@ import base64
 import concurrent.futures
 import json
 import os
+import threading
 from typing import Any, Iterator
 
 import cloudpickle
@@ -53,14 +54,16 @@ class Remote:
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, limits=limits)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, thread_name_prefix="interlace-remote")
         self._tree = None
+        self._tree_lock = threading.Lock()  # many threads' first traces ask the endpoint once
 
     @property
     def tree(self):
         """The model's module names, from the endpoint (ops are checked here before sending)."""
         from interlace.workers.points import ModuleTree
 
-        if self._tree is None:
-            self._tree = ModuleTree(names=self._json("GET", "/v1/model")["module_names"])
+        with self._tree_lock:
+            if self._tree is None:
+                self._tree = ModuleTree(names=self._json("GET", "/v1/model")["module_names"])
         return self._tree
 
     def close(self) -> None:
@@ -86,7 +89,9 @@ class Remote:
     def stream(self, trace: Trace) -> Iterator[dict[str, Any]]:
         """The server's events for ``trace``: ``{"event": "tokens", "invoke", "token_ids", "text"}``
         as tokens are generated, ``{"event": "invoke", ...}`` when an invoke completed (its saves
-        under ``"saves"``, tensors), and last ``{"event": "result", "result": TraceResult}``."""
+        under ``"saves"``, tensors), and last ``{"event": "result", "result": TraceResult}``; a
+        ``{"event": "restart", "invoke"}`` (rare: an invoke run again after its engine replica died
+        generated other tokens) means: drop what came of that invoke so far."""
         from safetensors.torch import load
 
         from interlace.cluster.http_api import TraceResponse

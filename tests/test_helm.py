@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 from interlace.cluster.config import ServeConfig, SweepConfig
-from interlace.cluster.helm_values import CHART_DIR, chart_values, serve_config, sweep_config, worker_group_size
+from interlace.cluster.helm_values import (CHART_DIR, chart_values, serve_config, sweep_config, worker_group_size,
+                                          worker_pods)
 from interlace.settings import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,7 +132,7 @@ def cluster_spec(doc: dict) -> dict:
 
 def test_examples_exist():
     names = {p.name for p in EXAMPLES}
-    assert {"single-gpu.yaml", "tp4.yaml", "tp4-pp2-two-nodes.yaml"} <= names, names
+    assert {"single-gpu.yaml", "tp4.yaml", "tp4-pp2.yaml"} <= names, names
 
 
 @pytest.mark.parametrize("values", [DEFAULTS, *EXAMPLES], ids=lambda p: p.name)
@@ -228,13 +229,24 @@ def test_sweep_config_is_what_the_cli_reads(helm, values, tmp_path):
 
 def test_sizes_follow_tp_pp_and_gpus_per_worker(helm):
     sizes = {p.name: worker_group_size(chart_values(p), "serve") for p in EXAMPLES}
-    assert sizes == {"single-gpu.yaml": (1, 4), "tp4.yaml": (1, 1), "tp4-pp2-two-nodes.yaml": (2, 2)}
-    (service,) = of_kind(render(helm, CHART_DIR / "examples" / "tp4-pp2-two-nodes.yaml"), "RayService")
+    assert sizes == {"single-gpu.yaml": (1, 4), "tp4.yaml": (1, 1), "tp4-pp2.yaml": (1, 1)}
+    (service,) = of_kind(render(helm, CHART_DIR / "examples" / "tp4-pp2.yaml"), "RayService")
     (group,) = cluster_spec(service)["workerGroupSpecs"]
     container = group["template"]["spec"]["containers"][0]
-    assert group["rayStartParams"]["num-gpus"] == "4"
-    assert "livenessProbe" not in container and container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert group["rayStartParams"]["num-gpus"] == "8"  # the replica's 4 x 2 ranks share one pod
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_a_replica_fits_one_pod():
+    tp4pp2 = serve_config(chart_values(CHART_DIR / "examples" / "tp4-pp2.yaml")).cluster
+    assert [worker_pods(tp4pp2, 8, n) for n in (1, 2, 3)] == [1, 2, 3]
+    tp2 = tp4pp2.model_copy(update={"model": tp4pp2.model.model_copy(update={"pipeline_parallel_size": 1,
+                                                                            "tensor_parallel_size": 2})})
+    assert [worker_pods(tp2, 8, n) for n in (1, 4, 5)] == [1, 1, 2]
+    with pytest.raises(ValueError, match="one replica needs 8 GPUs on one node"):
+        worker_pods(tp4pp2, 4, 1)  # a pipeline over two pods is refused, not sized
 
 
 def test_secure_defaults(helm):
@@ -265,6 +277,10 @@ def test_refuses_what_cannot_be_placed(helm, tmp_path):
     values = tmp_path / "too-wide.yaml"
     values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": {"tensor_parallel_size": 8}}}},
                                       "workers": {"gpusPerWorker": 4}}))
+    out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))
+    assert out.returncode != 0 and "raise gpusPerWorker to at least 8" in out.stderr, out.stderr
+    pipeline = {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}  # a replica's stages share its pod
+    values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": pipeline}}}, "workers": {"gpusPerWorker": 4}}))
     out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))
     assert out.returncode != 0 and "raise gpusPerWorker to at least 8" in out.stderr, out.stderr
     values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": "tiny-llama"}}}}))

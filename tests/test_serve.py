@@ -104,6 +104,24 @@ def assert_same(got, want, atol=1e-4):
             assert torch.allclose(g.saves[name].float(), w.saves[name].float(), atol=atol), name
 
 
+def test_tokens_from_the_environment_reach_the_ingress_as_digests_only(monkeypatch):
+    """A runtime environment is readable by whoever can read the Ray cluster's state: the tokens
+    document put there holds each token's SHA-256, and the ingress accepts the tokens with it."""
+    from interlace.cluster.auth import Tokens
+    from interlace.cluster.config import AuthConfig, ServeConfig
+    from interlace.cluster.serve_app import _auth_env
+
+    monkeypatch.setenv("INTERLACE_API_TOKENS", TOKENS)
+    cfg = ServeConfig.model_validate({"cluster": {"model": "tiny-llama"}})
+    shipped = _auth_env(cfg)["INTERLACE_API_TOKENS"]
+    assert all(token not in shipped for token in (CODE, OPS, ONE_AT_A_TIME))
+    monkeypatch.setenv("INTERLACE_API_TOKENS", shipped)  # what the ingress reads
+    tokens = Tokens.load(AuthConfig())
+    assert tokens.caller(f"Bearer {CODE}").role == "code"
+    assert tokens.caller(f"Bearer {ONE_AT_A_TIME}").max_in_flight == 1
+    assert tokens.caller(f"Bearer {OPS}").role == "ops" and tokens.caller("Bearer " + "x" * 26) is None
+
+
 def test_one_script_gives_the_same_results_on_a_model_a_cluster_and_the_endpoint(endpoint, coder, llama):
     from interlace.cluster.config import ClusterConfig
 
@@ -338,6 +356,77 @@ def test_a_killed_engine_is_replaced_and_its_trace_delivered_once(endpoint, anal
     assert_same(got, want.result)
     assert_same(script_ops(analyst), script_ops(llama))  # and it keeps serving
     assert engine.info.remote().result()["pid"] != before["pid"]  # on a new replica
+
+
+def test_a_stream_whose_engine_dies_sends_each_token_once(endpoint, analyst, llama):
+    from ray import serve
+
+    engine = serve.get_deployment_handle("InterlaceEngine", app_name="interlace")
+    before = engine.info.remote().result()
+    tr = analyst.trace(max_tokens=480, ignore_eos=True)
+    tr.invoke("Stream through a kill", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
+    events: list[dict] = []
+    failed: list[BaseException] = []
+    some_tokens = threading.Event()
+
+    def consume() -> None:
+        try:
+            for event in analyst.stream(tr):
+                events.append(event)
+                if sum(len(e.get("token_ids", ())) for e in events if e["event"] == "tokens") >= 16:
+                    some_tokens.set()
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the test's thread
+            failed.append(exc)
+            some_tokens.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert some_tokens.wait(120) and not failed
+    assert not any(e["event"] in ("invoke", "result") for e in events)  # killed mid-generation
+    core = [p for p in map(psutil.Process, before["engine_pids"]) if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    os.kill(core[0].pid, signal.SIGKILL)
+    reader.join(300)
+    assert not reader.is_alive() and not failed, failed
+    with llama.trace(max_tokens=480, ignore_eos=True) as want:
+        want.invoke("Stream through a kill", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "result" and kinds.count("invoke") == 1 and "restart" not in kinds  # greedy: the same again
+    streamed = [t for e in events if e["event"] == "tokens" for t in e["token_ids"]]
+    assert streamed == want.result[0].token_ids  # every token once, in order: none sent twice after the re-run
+    assert "".join(e["text"] for e in events if e["event"] == "tokens") == want.result[0].text
+    assert_same(events[-1]["result"], want.result)
+    assert engine.info.remote().result()["pid"] != before["pid"]  # on a new replica
+
+
+def test_a_rerun_stream_sends_only_what_the_client_lacks_or_says_restart():
+    """The ingress's record of what a streaming client has, across a shard's attempts (the
+    integration above covers the identical re-run; this covers a re-run that generates other tokens)."""
+    import asyncio
+
+    from interlace.cluster.ingress import _StreamSent
+
+    sent, out = _StreamSent(), []
+
+    async def client(kind, data):
+        out.append((kind, data["token_ids"] if "token_ids" in data else None))
+
+    async def attempt(deltas, final=None):
+        sent.new_attempt([0])
+        send = sent.filter(client)
+        for ids in deltas:
+            await send("tokens", {"invoke": 0, "token_ids": ids, "text": "".join(f"<{t}>" for t in ids)})
+        if final is not None:
+            await send("invoke", {"invoke": 0, "token_ids": final})
+
+    asyncio.run(attempt([[1], [2, 3]]))  # died after three tokens
+    asyncio.run(attempt([[1, 2], [3, 4], [5]], final=[1, 2, 3, 4, 5]))  # the same again, and further
+    assert out == [("tokens", [1]), ("tokens", [2, 3]), ("tokens", [4]), ("tokens", [5]), ("invoke", [1, 2, 3, 4, 5])]
+    out.clear()
+    asyncio.run(attempt([[1, 2], [3, 4], [5]], final=[1, 2, 3, 4, 5]))  # an identical third run: nothing new
+    assert out == []
+    asyncio.run(attempt([[1], [7]], final=[1, 7]))  # other tokens: drop and resend
+    assert out == [("restart", None), ("tokens", [1, 7]), ("invoke", [1, 7])]
+    assert sent.text[0] == "<1><7>"
 
 
 def script_ops(target):

@@ -107,9 +107,10 @@ the same config from the same values (tests/test_helm.py compares them).
 {{- end -}}
 
 {{/*
-Worker pods that `replicas` engine replicas of a ClusterConfig mapping need: a replica is
-pipeline_parallel_size groups of tensor_parallel_size ranks, a group sits on one pod, and a pod of
-gpusPerWorker GPUs holds floor(gpusPerWorker / (tensor_parallel_size x num_gpus)) groups.
+Worker pods that `replicas` engine replicas of a ClusterConfig mapping need: a replica's
+tensor_parallel_size x pipeline_parallel_size ranks share one pod (interlace.cluster.placement), and a
+pod of gpusPerWorker GPUs holds floor(gpusPerWorker / (tensor_parallel_size x pipeline_parallel_size x
+num_gpus)) replicas.
 Arguments: dict "cluster" "replicas" "gpusPerWorker" "where" (the values path, for errors).
 */}}
 {{- define "interlace.workerPods" -}}
@@ -128,12 +129,12 @@ Arguments: dict "cluster" "replicas" "gpusPerWorker" "where" (the values path, f
 {{- fail (printf "%s.cluster.resources.num_gpus is %v: every engine rank needs a GPU on the GPU workers; set num_gpus: 1" .where $gpus) -}}
 {{- end -}}
 {{- $perPod := .gpusPerWorker | float64 -}}
-{{- $group := mulf $tp $gpus -}}
-{{- if gt $group $perPod -}}
-{{- fail (printf "%s: a tensor-parallel group needs tensor_parallel_size x num_gpus = %v GPUs on one pod but workers.gpusPerWorker is %v; raise gpusPerWorker to at least %v" .where $group $perPod $group) -}}
+{{- $replica := mulf (mulf $tp $pp) $gpus -}}
+{{- if gt $replica $perPod -}}
+{{- fail (printf "%s: one replica needs tensor_parallel_size x pipeline_parallel_size x num_gpus = %v GPUs on one pod but workers.gpusPerWorker is %v; raise gpusPerWorker to at least %v" .where $replica $perPod $replica) -}}
 {{- end -}}
-{{- $groupsPerPod := floor (divf $perPod $group) -}}
-{{- ceil (divf (mulf (.replicas | float64) $pp) $groupsPerPod) | int -}}
+{{- $replicasPerPod := floor (divf $perPod $replica) -}}
+{{- ceil (divf (.replicas | float64) $replicasPerPod) | int -}}
 {{- end -}}
 
 {{/* Pod-level settings shared by every Ray pod. */}}

@@ -1,0 +1,94 @@
+"""Where an engine replica runs: one node, one placement-group bundle holding every rank's share.
+
+A replica's TP x PP ranks are its engine's own worker processes (vLLM's multiprocessing executor),
+children of the process that hosts the engine (a cluster replica actor, a Serve replica, a sweep's
+shard runner). They run on that process's node and see the devices it holds. Ray gives an actor
+the resources of one bundle only, and points it at that bundle's GPUs through
+``CUDA_VISIBLE_DEVICES``: so the bundle holds every rank's CPUs and GPUs, and the hosting actor
+takes the GPUs whole. On CPU the same code runs with CPUs in the bundle (the ranks bound to cores,
+see :func:`interlace.cluster.engine.prepare_environment`), so the CPU tests run the very placement
+a GPU cluster runs.
+
+A replica larger than one node (a pipeline across machines, vLLM's Ray executor) is not supported:
+its workers' reports are read from a node-local folder. :func:`check_fits_a_node` refuses such a
+replica on a local Ray before anything waits for resources no node has (a placement group that
+cannot be placed waits forever), and warns on a joined cluster, where an autoscaler may add one.
+
+    >>> from interlace.cluster.config import ClusterConfig
+    >>> cfg = ClusterConfig.load("tiny-llama-2")
+    >>> replica_bundle(cfg)
+    {'CPU': 1.0}
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from interlace.cluster.config import ClusterConfig
+
+# The hosting actor's own CPU: a sliver of the bundle (its ranks use the bundle's compute). Ray
+# sets an actor's OMP_NUM_THREADS from its CPUs; the engine's ranks set their own threads.
+HOST_CPUS = 0.01
+
+
+def replica_bundle(cluster: "ClusterConfig") -> dict[str, float]:
+    """The one placement-group bundle of a replica: every rank's resources, summed."""
+    ranks = cluster.model.world_size
+    res = cluster.resources
+    bundle = {"CPU": res.num_cpus * ranks, "GPU": res.num_gpus * ranks,
+              **{name: amount * ranks for name, amount in res.custom.items()}}
+    if res.accelerator_type:  # pins the node's kind; one unit of it is enough
+        bundle[f"accelerator_type:{res.accelerator_type}"] = 0.001
+    return {name: amount for name, amount in bundle.items() if amount}
+
+
+def host_actor_options(cluster: "ClusterConfig") -> dict[str, Any]:
+    """Ray options of the actor hosting a replica's engine inside its bundle: a sliver of CPU and
+    every GPU (so that Ray sets ``CUDA_VISIBLE_DEVICES`` to the bundle's GPUs for the engine)."""
+    return {"num_cpus": HOST_CPUS, "num_gpus": replica_bundle(cluster).get("GPU", 0.0)}
+
+
+def check_fits_a_node(cluster: "ClusterConfig", nodes: list[dict] | None = None) -> None:
+    """Refuse a replica that no alive node of the connected Ray cluster can hold (``ValueError``).
+
+    Refused where this process started the Ray cluster (``ray.init()`` with no address: no node
+    will join it). A cluster that was joined may grow (an autoscaler adding a node of the size asked
+    for): there the same finding is a warning and the replica waits. ``nodes``: ``ray.nodes()``
+    (read when None). Totals, not what is free now: a replica that fits a busy node waits for it.
+    """
+    import ray
+
+    if nodes is None:
+        nodes = ray.nodes()
+    need = replica_bundle(cluster)
+    alive = [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
+    if any(all(have.get(name, 0.0) >= amount for name, amount in need.items()) for have in alive):
+        return
+    largest = max(alive, key=lambda have: (have.get("GPU", 0.0), have.get("CPU", 0.0)), default={})
+    model = cluster.model
+    message = (
+        f"one replica of {model.name!r} needs {_show(need)} on one node ({model.world_size} ranks: "
+        f"tensor_parallel_size {model.tensor_parallel_size} x pipeline_parallel_size "
+        f"{model.pipeline_parallel_size}, each with resources num_cpus={cluster.resources.num_cpus:g}, "
+        f"num_gpus={cluster.resources.num_gpus:g}), but the largest node of this Ray cluster has "
+        f"{_show({name: largest.get(name, 0.0) for name in need})}. A replica's ranks run on one node: "
+        "lower the parallel sizes or the resources per rank, or add a node that large"
+    )
+    if _head_started_here():
+        raise ValueError(message)
+    warnings.warn(message + " (waiting: a node may still join this cluster)", stacklevel=2)
+
+
+def _show(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items()) + "}"
+
+
+def _head_started_here() -> bool:
+    """Whether this process started its Ray cluster's head (a local cluster no node joins).
+    Ray has no public call for it; its node object says so (``head``), and without one: joined."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    return bool(getattr(node, "head", False))
