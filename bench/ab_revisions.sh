@@ -12,6 +12,17 @@
 # cases twice (warm, timed); PER_RUN_S (default 240) bounds each process. Logs: $OUT/ab-<name>.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# lib NAME: that revision's package installed once into /tmp/ab-lib-NAME (the vLLM site unpacked first).
+lib() {
+  if [ ! -d /tmp/site/vllm ]; then mkdir -p /tmp/site && cat /tmp/stash/chunk* | xz -d -T8 | tar -x -C /tmp/site; fi
+  local dir=/tmp/ab-lib-$1 src=.
+  [ "$1" = tree ] || src=./.ab/$1
+  [ -d "$dir" ] || pip install -q --no-deps --no-build-isolation --no-index --target "$dir" "$src" >/dev/null 2>&1
+  echo "$dir"
+}
+export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
+quiet() { grep -v -e WARNING -e INFO -e '^\[W' -e '^$'; }
+
 case "${1:-}" in
   prepare)
     shift
@@ -20,35 +31,20 @@ case "${1:-}" in
       git archive "$rev" pyproject.toml README.md driver workers cluster configs | tar -x -C ".ab/$rev"
     done ;;
   run)
-    if [ ! -d /tmp/site/vllm ]; then mkdir -p /tmp/site && cat /tmp/stash/chunk* | xz -d -T8 | tar -x -C /tmp/site; fi
-    export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
     for name in $2; do
-      lib=/tmp/ab-lib-$name
-      if [ ! -d "$lib" ]; then
-        src=.; [ "$name" = tree ] || src=./.ab/$name
-        pip install -q --no-deps --no-build-isolation --no-index --target "$lib" "$src" >/dev/null 2>&1
-      fi
       echo "=== $name"
-      PYTHONPATH=/tmp/site:$lib timeout "${PER_RUN_S:-240}" python3 bench/step_probe.py --cases "${3:-ops-save4,prog-save4}" 2>&1 \
-        | grep -v -e WARNING -e INFO -e '^\[W' -e '^$' | tee -a "${OUT:-/tmp}/ab-$name.log" \
+      PYTHONPATH=/tmp/site:$(lib "$name") timeout "${PER_RUN_S:-240}" python3 bench/step_probe.py \
+          --cases "${3:-ops-save4,prog-save4}" 2>&1 | quiet | tee -a "${OUT:-/tmp}/ab-$name.log" \
         | grep -e '^none' -e '^ops' -e '^prog' -e 'runner.execute_model' -e 'Error' || true
     done ;;
   runner)
     # The same alternation with bench/runner_bench.py (interlace/plain ratios, paired in each
     # process): bash bench/ab_revisions.sh runner "9284079 tree 9284079 tree" [cases] [repeats]
-    if [ ! -d /tmp/site/vllm ]; then mkdir -p /tmp/site && cat /tmp/stash/chunk* | xz -d -T8 | tar -x -C /tmp/site; fi
-    export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
     for name in $2; do
-      lib=/tmp/ab-lib-$name
-      if [ ! -d "$lib" ]; then
-        src=.; [ "$name" = tree ] || src=./.ab/$name
-        pip install -q --no-deps --no-build-isolation --no-index --target "$lib" "$src" >/dev/null 2>&1
-      fi
       echo "=== $name $(date +%T)"
-      PYTHONPATH=/tmp/site:$lib timeout "${PER_RUN_S:-280}" python3 bench/runner_bench.py \
-          --cases "${3:-none,ops-save4,prog-save4,ops-steer1,prog-steer1}" --repeats "${4:-3}" 2>&1 \
-        | grep -v -e WARNING -e INFO -e '^\[W' -e '^$' | tee -a "${OUT:-/tmp}/ab-runner-$name.log" \
-        | grep -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
+      PYTHONPATH=/tmp/site:$(lib "$name") timeout "${PER_RUN_S:-280}" python3 bench/runner_bench.py \
+          --cases "${3:-none,ops-save4,prog-save4,ops-steer1,prog-steer1}" --repeats "${4:-3}" 2>&1 | quiet \
+        | tee -a "${OUT:-/tmp}/ab-runner-$name.log" | grep -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
     done ;;
-  *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" >&2; exit 2 ;;
+  *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" >&2; exit 2 ;;
 esac

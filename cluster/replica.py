@@ -253,7 +253,8 @@ class Replica:
             await events.put((i, None))
 
         pumps = [asyncio.create_task(pump(i, p, q)) for i, (p, q) in enumerate(zip(prompts, params))]
-        watcher = ReportWatcher(self.sink_root, wire, set(task.expected()), REPORT_GRACE_S)
+        # Reports are due once their invoke finished: a stream may generate for longer than the grace.
+        watcher = ReportWatcher(self.sink_root, wire, set(task.expected()), REPORT_GRACE_S, due=())
         tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         texts: dict[int, str] = {i: "" for i in range(len(prompts))}
         finished: dict[int, Completion] = {}
@@ -276,8 +277,13 @@ class Replica:
                     yield ("tokens", i, list(new.token_ids), new.text)
                 elif i is not None:
                     finished[i] = Completion(tokens[i], texts[i])
+                    if task.payloads[i] is not None:
+                        watcher.mark_due((task.payloads[i].invoke, s) for s in range(task.stages))
+                waiting = finished.keys() - sent
+                if not waiting:
+                    continue  # reports are read once an invoke finished (a folder listing per event cost the loop)
                 watcher.poll()
-                for j in sorted(finished.keys() - sent):
+                for j in sorted(waiting):
                     payload = task.payloads[j]
                     if payload is not None and any((payload.invoke, s) in watcher.wanted for s in range(task.stages)):
                         continue

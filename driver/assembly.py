@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from interlace.cluster.merge import merge_shared
 from interlace.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
@@ -57,31 +57,44 @@ class ReportWatcher:
     """Waits for the reports of ``wanted`` (invoke, stage) pairs in one trace's sink folder.
 
     Call :meth:`poll` until :attr:`done` (the caller sleeps in between, in a thread or a coroutine).
-    Past ``grace_s`` with reports still missing it raises, unless some rank is writing a report
-    right now (reports are written in order, so one under way means the workers are alive).
+    A report is *due* once its invoke finished generating: every wanted one from the start, or,
+    with ``due=()``, those named to :meth:`mark_due` since (a stream watches while its invokes
+    still generate, for as long as they take). A due report still missing ``grace_s`` after it
+    became due raises, unless some rank is writing a report right now (reports are written in
+    order, so one under way means the workers are alive).
     """
 
-    def __init__(self, root: Path, folder: str, wanted: set[tuple[int, int]], grace_s: float):
+    def __init__(self, root: Path, folder: str, wanted: set[tuple[int, int]], grace_s: float,
+                 due: Iterable[tuple[int, int]] | None = None):
         self.root, self.folder = root, root / folder
         self.wanted = set(wanted)
         self.grace_s = grace_s
         self.reports: list[dict] = []
         self._seen: set[str] = set()
+        self._due = set(self.wanted if due is None else due)
         self._deadline = time.monotonic() + grace_s
 
     @property
     def done(self) -> bool:
         return not self.wanted
 
+    def mark_due(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """These reports are due from now on (their invoke finished)."""
+        new = (set(pairs) & self.wanted) - self._due
+        if new:
+            self._due |= new
+            self._deadline = time.monotonic() + self.grace_s
+
     def poll(self) -> None:
         for report in read_new_reports(self.folder, self._seen):
             self.wanted.discard((report["invoke"], report["stage"]))
             self.reports.append(report)
-        if self.wanted and time.monotonic() > self._deadline:
+        missing = self.wanted & self._due
+        if missing and time.monotonic() > self._deadline:
             if writing_reports(self.root):
                 self._deadline = time.monotonic() + self.grace_s
                 return
-            raise RuntimeError(f"trace {self.folder.name}: no report from (invoke, stage) {sorted(self.wanted)} "
+            raise RuntimeError(f"trace {self.folder.name}: no report from (invoke, stage) {sorted(missing)} "
                                f"within {self.grace_s:.0f}s; a worker may have died")
 
 

@@ -121,3 +121,30 @@ def test_the_data_file_is_reserved_ahead_batches_append_and_close_gives_back_the
     for report, want in zip(back, expected + expected):
         assert all(torch.equal(report["saves"][name], value) for name, value in want.items())
     assert back[0]["saves"]["resid"].data_ptr() != back[3]["saves"]["resid"].data_ptr()
+
+
+def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
+    """A stream's watcher runs while its invokes generate, however long: a report counts against
+    the grace only from the moment its invoke finished (before, a stream generating for longer
+    than the grace failed with "a worker may have died")."""
+    import time
+
+    from interlace.assembly import ReportWatcher
+
+    watcher = ReportWatcher(tmp_path, "t", {(0, 0), (1, 0)}, grace_s=0.2, due=())
+    time.sleep(0.3)
+    watcher.poll()  # both invokes still generating: nothing due, no error
+    watcher.mark_due([(0, 0)])
+    watcher.poll()  # due, within its grace
+    DirSink(str(tmp_path)).write("t", 0, [_report(0, {})])
+    time.sleep(0.3)
+    watcher.poll()  # (0, 0) arrived; (1, 0) is not due yet
+    assert watcher.wanted == {(1, 0)} and [r["invoke"] for r in watcher.reports] == [0]
+    watcher.mark_due([(1, 0)])
+    time.sleep(0.3)
+    with pytest.raises(RuntimeError, match=r"no report from \(invoke, stage\) \[\(1, 0\)\] within 0s"):
+        watcher.poll()
+    eager = ReportWatcher(tmp_path, "u", {(0, 0)}, grace_s=0.2)  # after generation: due at once
+    time.sleep(0.3)
+    with pytest.raises(RuntimeError, match="a worker may have died"):
+        eager.poll()
