@@ -386,7 +386,7 @@ class Ingress:
     async def _events(self, run: _Run) -> AsyncIterator[bytes]:
         """The trace's server-sent events. Each chunk handed to Serve is a message through this
         replica and the proxy whatever its size: what arrived while the last chunk went out goes
-        as one chunk, an invoke's token deltas merged into one event."""
+        as one chunk."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def on_event(kind: str, data: dict) -> None:
@@ -551,28 +551,10 @@ def _with_status(payload: bytes, status: int) -> bytes:
 
 
 def _sse_chunk(items: list[tuple[str, Any]]) -> bytes:
-    """Events as one chunk: the token deltas of an invoke that arrived together merged into one
-    ``tokens`` event (in order, ahead of any other event); a final answer's data is JSON bytes."""
-    out: list[bytes] = []
-    pending: dict[int, dict] = {}  # invoke -> its merged tokens event
-
-    def flush() -> None:
-        out.extend(_sse("tokens", data) for data in pending.values())
-        pending.clear()
-
-    for kind, data in items:
-        if kind == "tokens":
-            merged = pending.get(data["invoke"])
-            if merged is None:
-                pending[data["invoke"]] = {**data, "token_ids": list(data["token_ids"])}
-            else:
-                merged["token_ids"] += data["token_ids"]
-                merged["text"] += data["text"]
-            continue
-        flush()
-        out.append(f"event: {kind}\ndata: ".encode() + data + b"\n\n" if isinstance(data, bytes) else _sse(kind, data))
-    flush()
-    return b"".join(out)
+    """Events queued meanwhile as one chunk (the engine deployment merged each invoke's token
+    deltas already); a final answer's data is its JSON bytes."""
+    return b"".join(f"event: {kind}\ndata: ".encode() + data + b"\n\n" if isinstance(data, bytes) else _sse(kind, data)
+                    for kind, data in items)
 
 
 def _validation_message(exc: ValidationError) -> str:

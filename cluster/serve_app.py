@@ -30,7 +30,7 @@ from ray.serve import Application
 
 from interlace.cluster.config import ServeConfig
 from interlace.cluster.ingress import Ingress, api
-from interlace.cluster.placement import host_actor_options, replica_bundle
+from interlace.cluster.placement import check_fits_a_node, host_actor_options, replica_bundle
 from interlace.cluster.replica import Replica
 from interlace.cluster.serve_state import ServeState
 
@@ -195,6 +195,7 @@ def start(cfg: ServeConfig, address: str | None = None, name: str = "interlace")
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
                  log_to_driver=False)
+    check_fits_a_node(cfg.cluster)  # before Serve waits forever for a node this Ray will never have
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(cfg), name=name, route_prefix=cfg.route_prefix, blocking=False)
     url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"

@@ -121,4 +121,9 @@ def test_a_replica_no_node_can_hold_is_refused_before_anything_waits(ray_cpus):
     groups = len(ray.util.placement_group_table())
     with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 4\} on one node .* largest node .* GPU: 2"):
         interlace.Cluster(wide)
+    from interlace.cluster import serve_app
+    from interlace.cluster.config import ServeConfig
+
+    with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 4\} on one node"):
+        serve_app.start(ServeConfig(cluster=wide, auth={"anonymous_role": "ops"}))  # `interlace serve`
     assert len(ray.util.placement_group_table()) == groups  # nothing placed, nothing left
