@@ -10,7 +10,7 @@ shard are left out, as plain vLLM's start-up is), from the shard records' times.
 Targets (issue 19): at least 0.8 x plain vLLM's prefill tokens/s, and at least 1 GB/s of
 activations written per GPU.
 
-Usage: python bench/sweep_bench.py [--n 1024] [--in 512] [--layer 8] [--shard 64] [--tiny]
+Usage: python bench/sweep_bench.py [--n 1024] [--in 512] [--layer 8] [--shard 64] [--in-flight 2,4] [--tiny]
        (--tiny: the bundled tiny Llama on CPU, a smoke run of the script)
 """
 
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -54,7 +55,7 @@ def run_plain(cfg, data: list[list[int]]) -> float:
     return sum(len(p) for p in data) / seconds
 
 
-def run_sweep_bench(cfg, data: list[list[int]], layer: int, shard: int, folder: Path) -> dict:
+def run_sweep_bench(cfg, data: list[list[int]], layer: int, shard: int, in_flight: int, folder: Path) -> dict:
     from interlace.cluster.config import ClusterConfig, SweepConfig
     from interlace.cluster.sweep import run_sweep
 
@@ -63,7 +64,7 @@ def run_sweep_bench(cfg, data: list[list[int]], layer: int, shard: int, folder: 
     gpus = 0.0 if cfg.name == "tiny-llama" else 1.0
     sweep = SweepConfig(
         cluster=ClusterConfig(model=cfg, replicas=1, resources={"num_cpus": 1, "num_gpus": gpus}),
-        input={"paths": [str(inputs)]}, output=str(folder / "out"), shard_size=shard,
+        input={"paths": [str(inputs)]}, output=str(folder / "out"), shard_size=shard, shards_in_flight=in_flight,
         intervention={"ops": [{"op": "save", "point": f"layers.{layer}.resid", "name": "resid"}]},
         generation={"max_tokens": 1})
     manifest = run_sweep(sweep)
@@ -73,7 +74,10 @@ def run_sweep_bench(cfg, data: list[list[int]], layer: int, shard: int, folder: 
     seconds = times[-1] - times[0]
     return {"prompt_tokens_per_s": sum(r["prompt_tokens"] for r in later) / seconds,
             "saved_bytes_per_s": sum(r["files"]["tensors"]["bytes"] for r in later) / seconds,
-            "seconds_timed": round(seconds, 3), "shards": len(records), "summary": manifest["summary"]}
+            "seconds_timed": round(seconds, 3), "shards": len(records), "summary": manifest["summary"],
+            # per shard: its run on the engine (with reading its reports), then writing its files
+            "run_s_median": statistics.median(r["run_s"] for r in later),
+            "write_s_median": statistics.median(r["write_s"] for r in later)}
 
 
 def main() -> None:
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--in", dest="inp", type=int, default=512)
     parser.add_argument("--layer", type=int, default=8)
     parser.add_argument("--shard", type=int, default=64)
+    parser.add_argument("--in-flight", default="4", help="shards_in_flight values, comma-separated: one sweep each")
     parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama (CPU smoke run)")
     args = parser.parse_args()
     if not args.tiny:
@@ -90,17 +95,19 @@ def main() -> None:
     vocab = 500 if args.tiny else 1000
     data = prompts(args.n, min(args.inp, cfg.max_model_len - 1), vocab)
     plain = run_plain(cfg, data)
-    folder = Path(tempfile.mkdtemp(prefix="interlace-sweep-bench-"))
-    try:
-        got = run_sweep_bench(cfg, data, args.layer, args.shard, folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    print(json.dumps({"n": args.n, "in": args.inp, "layer": args.layer, "shard": args.shard,
-                      "plain_prefill_tokens_per_s": round(plain, 1),
-                      "sweep_prefill_tokens_per_s": round(got["prompt_tokens_per_s"], 1),
-                      "ratio": round(got["prompt_tokens_per_s"] / plain, 3),
-                      "saved_GB_per_s": round(got["saved_bytes_per_s"] / 1e9, 3),
-                      "seconds_timed": got["seconds_timed"], "shards": got["shards"]}), flush=True)
+    for in_flight in [int(v) for v in args.in_flight.split(",")]:
+        folder = Path(tempfile.mkdtemp(prefix="interlace-sweep-bench-"))
+        try:
+            got = run_sweep_bench(cfg, data, args.layer, args.shard, in_flight, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        print(json.dumps({"n": args.n, "in": args.inp, "layer": args.layer, "shard": args.shard, "in_flight": in_flight,
+                          "plain_prefill_tokens_per_s": round(plain, 1),
+                          "sweep_prefill_tokens_per_s": round(got["prompt_tokens_per_s"], 1),
+                          "ratio": round(got["prompt_tokens_per_s"] / plain, 3),
+                          "saved_GB_per_s": round(got["saved_bytes_per_s"] / 1e9, 3),
+                          "seconds_timed": got["seconds_timed"], "shards": got["shards"],
+                          "run_s_median": got["run_s_median"], "write_s_median": got["write_s_median"]}), flush=True)
 
 
 if __name__ == "__main__":

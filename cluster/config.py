@@ -483,8 +483,9 @@ class SweepConfig(BaseModel):
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Sampling settings.")
     output: str = Field(description="The sweep's folder (relative: from the YAML's folder); a rerun resumes it.")
     shard_size: int = Field(256, ge=1, description="Prompts per shard: shard k holds prompt ids [k*size, (k+1)*size).")
-    shards_in_flight: int = Field(2, ge=1, description="Shards one replica runs at once (the next one queued "
-                                  "while the last is written).")
+    shards_in_flight: int = Field(4, ge=1, description="Shards one replica runs at once: the engine runs the "
+                                  "next ones while finished ones' files are written (see docs/benchmarks.md: 4 "
+                                  "kept an H100 as busy as plain vLLM).")
     max_failures: int | None = Field(None, ge=0, description="Stop once more prompts than this have failed; None: never.")
     _base_dir: str | None = PrivateAttr(None)  # the YAML's folder: where the program's module is looked for first
 

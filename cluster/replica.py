@@ -206,9 +206,10 @@ class Replica:
 
     async def run_here(self, task: ShardTask) -> ShardOutcome:
         """Run one shard for a caller without a collector: its completions and its reports, saves
-        as tensors (compact copies). A sweep's shard writer hosts a Replica this way, so saved
-        tensors go from the workers to the shard's files on this node; Serve's ingress calls it
-        through a deployment handle."""
+        as tensors that view the mapped report files (valid after the files are removed; a
+        caller in another process compacts them first: :func:`compact_outcome`). A sweep's shard
+        writer hosts a Replica this way, so saved tensors go from the workers to the shard's files
+        on this node with one copy; Serve's engine deployment compacts and sends them on."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         engine = await self._engine_up()
@@ -218,7 +219,7 @@ class Replica:
         try:
             outputs = await self._generate(engine, task)
             watcher = await self._watch(task, set(task.expected()))
-            return ShardOutcome([Completion.from_vllm(out) for out in outputs], self._compact_reports(task, watcher),
+            return ShardOutcome([Completion.from_vllm(out) for out in outputs], self._take_reports(task, watcher),
                                 started, _first_token_s(outputs))
         except EngineDeadError:
             self._die(f"engine died while running shard {task.wire_trace}")
@@ -301,10 +302,9 @@ class Replica:
             self.in_flight -= 1
             self.shards_served += 1
 
-    def _compact_reports(self, task: ShardTask, watcher) -> list[Report]:
-        # Compact copies: the saves are views of the mapped report files removed here.
-        reports = [Report.from_worker({**raw, "saves": _compact(raw["saves"])}, trace=task.trace, attempt=task.attempt)
-                   for raw in watcher.reports]
+    def _take_reports(self, task: ShardTask, watcher) -> list[Report]:
+        # The saves view private mappings of the files removed here, which stay valid.
+        reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
         shutil.rmtree(watcher.folder, ignore_errors=True)
         return reports
 
@@ -330,6 +330,14 @@ class ShardOutcome:
     reports: list[Report]  # saves as tensors
     started_at: float  # wall clock (time.time()) when the replica began the shard
     first_token_s: float | None  # the engine's time to the shard's first token (None: not measured)
+
+
+def compact_outcome(outcome: ShardOutcome) -> ShardOutcome:
+    """``outcome`` with every saved tensor in its own storage, to send to another process (a view
+    of a report file's mapping would be pickled with all of the mapping)."""
+    for report in outcome.reports:
+        report.saves = _compact(report.saves)
+    return outcome
 
 
 def _first_token_s(outputs) -> float | None:

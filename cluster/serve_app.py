@@ -31,7 +31,7 @@ from ray.serve import Application
 from interlace.cluster.config import ServeConfig
 from interlace.cluster.ingress import Ingress, api
 from interlace.cluster.placement import check_fits_a_node, host_actor_options, replica_bundle
-from interlace.cluster.replica import Replica
+from interlace.cluster.replica import Replica, compact_outcome
 from interlace.cluster.serve_state import ServeState
 
 
@@ -73,11 +73,15 @@ STREAM_WINDOW_MAX_S = 0.25
 
 
 class ServeEngine(Replica):
-    """The cluster's :class:`Replica` as Serve's engine deployment, its ``stream`` sending what a
-    stream gathered meanwhile as one ``("batch", events)`` message (an invoke's token deltas merged
-    into one ``tokens`` event)."""
+    """The cluster's :class:`Replica` as Serve's engine deployment: ``run_here`` sends saves as
+    compact copies (they go to the ingress's process), and ``stream`` sends what a stream gathered
+    meanwhile as one ``("batch", events)`` message (an invoke's token deltas merged into one
+    ``tokens`` event)."""
 
     _streams = 0  # streams this replica runs now
+
+    async def run_here(self, task):
+        return compact_outcome(await Replica.run_here(self, task))
 
     async def stream(self, task):
         import asyncio

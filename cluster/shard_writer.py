@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from interlace.cluster.sweep_store import SweepStore, attempt_stem
+from interlace.cluster.tensor_file import joined_shape
 
 SHARED_PREFIX = "__shared__/"
 SHARED_META = "interlace.shared"
@@ -158,7 +159,7 @@ class ShardRunner:
                     runnable.append(row)
         if runnable:
             self._run(runnable, outcomes)
-        return write_shard(self.out, shard, rows, outcomes, seconds=round(time.monotonic() - started, 4),
+        return write_shard(self.out, shard, rows, outcomes, run_s=round(time.monotonic() - started, 4),
                            host=socket.gethostname(), pid=os.getpid())
 
     def _measure(self, prompt: str | list[int]) -> tuple[int | None, str | None]:
@@ -249,15 +250,16 @@ def _reap_on_exit(pids: list[int]) -> None:
 def write_shard(store: SweepStore, shard: int, rows: list[PromptRow], outcomes: dict[int, Outcome], **facts: Any) -> dict:
     """Write shard ``shard``'s tensors, index and record (in that order, each committed whole:
     renamed into place, or one object PUT); returns the record (``facts`` added: where and how
-    long it ran)."""
+    long it ran, and ``write_s``, the seconds its tensors and index took to write)."""
     import pyarrow as pa
 
-    tensors, spans, failures = _concat_saves(rows, outcomes)
+    started = time.monotonic()
+    tensors, spans, failures = _gather_saves(rows, outcomes)
     shared, shared_meta, shared_errors = _shared_partials(rows, outcomes)
     stem = shard_stem(shard)
     files = attempt_stem(stem, store)
     tensor_file, index_file = f"{files}.safetensors", f"{files}.parquet"
-    payload = {**tensors, **{SHARED_PREFIX + n: v for n, v in shared.items()}}
+    payload = {**tensors, **{SHARED_PREFIX + n: [v] for n, v in shared.items()}}
     store.put_tensors(tensor_file, payload, {SHARED_META: json.dumps(shared_meta)})
     store.put_table(index_file, pa.table(_index_columns(shard, rows, outcomes, spans)))
     sizes = {name: store.size(name) for name in (tensor_file, index_file)}
@@ -270,19 +272,20 @@ def write_shard(store: SweepStore, shard: int, rows: list[PromptRow], outcomes: 
         "files": {"tensors": {"name": tensor_file, "bytes": sizes[tensor_file]},
                   "index": {"name": index_file, "bytes": sizes[index_file]}},
         "bytes": sum(sizes.values()),
-        "saves": {n: {"rows": int(t.shape[0]), "shape": list(t.shape[1:]), "dtype": str(t.dtype).removeprefix("torch.")}
-                  for n, t in tensors.items()},
+        "saves": {n: {"rows": joined_shape(parts)[0], "shape": list(parts[0].shape[1:]),
+                      "dtype": str(parts[0].dtype).removeprefix("torch.")} for n, parts in tensors.items()},
         "shared": shared_meta, "shared_errors": shared_errors, "first_error": first_error, **facts,
+        "write_s": round(time.monotonic() - started, 4),
     }
     store.put_bytes(f"{stem}.json", json.dumps(record, indent=1).encode())  # the commit
     return record
 
 
-def _concat_saves(rows: list[PromptRow], outcomes: dict[int, Outcome]):
-    """Each save name's rows over the shard's prompts; a prompt whose saves cannot join the others
-    (not a tensor, another shape or dtype) fails with that reason. Failed prompts keep no saves."""
-    import torch
-
+def _gather_saves(rows: list[PromptRow], outcomes: dict[int, Outcome]):
+    """Each save name's rows over the shard's prompts, as a list of parts in prompt order (the
+    file joins them: :mod:`interlace.cluster.tensor_file`); a prompt whose saves cannot join the
+    others (not a tensor, another shape or dtype) fails with that reason. Failed prompts keep no
+    saves."""
     parts: dict[str, list] = {}
     spans: dict[str, dict[int, tuple[int, int]]] = {}
     for row in rows:
@@ -293,13 +296,12 @@ def _concat_saves(rows: list[PromptRow], outcomes: dict[int, Outcome]):
                 outcome.error = problem
             else:
                 for name, value in values.items():
-                    offset = sum(p.shape[0] for p in parts.get(name, ()))
+                    offset = joined_shape(parts[name])[0] if name in parts else 0
                     parts.setdefault(name, []).append(value)
                     spans.setdefault(name, {})[row.prompt_id] = (offset, value.shape[0])
         if outcome.error is not None:
             outcome.saves, outcome.shared = {}, []
-    tensors = {name: torch.cat(values).contiguous() for name, values in parts.items()}
-    return tensors, spans, sum(outcomes[r.prompt_id].error is not None for r in rows)
+    return parts, spans, sum(outcomes[r.prompt_id].error is not None for r in rows)
 
 
 def _as_rows(saves: dict[str, Any], parts: dict[str, list]):

@@ -270,8 +270,11 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     items = [{"shard": k, "rows": cloudpickle.dumps(rows[k * size:(k + 1) * size])} for k in pending]
     results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         ShardRunner, batch_size=1, fn_constructor_kwargs={"plan": plan},
+        # True multi-threading: without it Ray Data runs one call of the UDF at a time per actor, and
+        # the engine idled while each shard's files were written (0.38x plain prefill on an H100).
         compute=ray.data.ActorPoolStrategy(size=cfg.cluster.replicas, max_tasks_in_flight_per_actor=cfg.shards_in_flight,
-                                           max_concurrent_calls_per_actor=cfg.shards_in_flight),
+                                           max_concurrent_calls_per_actor=cfg.shards_in_flight,
+                                           enable_true_multi_threading=True),
         ray_remote_args_fn=_slot_args(cfg), **_actor_resources(cfg))
     failures = sum(rec["failures"] for rec in manifest["shards"].values())
     rows_iter = results.iter_rows()
@@ -434,7 +437,7 @@ def _merge_shared(out: SweepStore, manifest: dict) -> dict:
             continue
         merges[name] = hows.pop()
         merged[name] = merge_partials(items, merges[name]).contiguous()
-    out.put_tensors(SHARED_FILE, merged, {SHARED_META: json.dumps(merges)})
+    out.put_tensors(SHARED_FILE, {n: [v] for n, v in merged.items()}, {SHARED_META: json.dumps(merges)})
     return {"file": SHARED_FILE, "merges": merges,
             "errors": errors + [e for r in manifest["shards"].values() for e in r.get("shared_errors", [])]}
 

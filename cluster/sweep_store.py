@@ -76,15 +76,19 @@ class SweepStore:
         else:
             pq.write_table(table, self._path(name), filesystem=self.fs)
 
-    def put_tensors(self, name: str, tensors: dict, metadata: dict[str, str]) -> None:
+    def put_tensors(self, name: str, tensors: dict[str, list], metadata: dict[str, str]) -> None:
+        """A safetensors file of each name's parts joined (:func:`write_safetensors`)."""
+        from interlace.cluster.tensor_file import write_safetensors
+
         if self.local is not None:
-            from safetensors.torch import save_file
+            def write(tmp: str) -> None:
+                with open(tmp, "wb", buffering=0) as out:
+                    write_safetensors(out, tensors, metadata)
 
-            _atomic(self.local / name, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+            _atomic(self.local / name, write)
         else:
-            from safetensors.torch import save
-
-            self.put_bytes(name, save(tensors, metadata=metadata))  # the shard's bytes, then one PUT
+            with self.fs.open_output_stream(self._path(name)) as out:  # one PUT (or multipart upload) at close
+                write_safetensors(out, tensors, metadata)
 
     # --- reading --------------------------------------------------------------------------------
 
