@@ -1,7 +1,8 @@
 """Runner benchmark: interlace against plain vLLM, in one process and one run, paired.
 
 Llama-3.2-1B-shaped model with random bf16 weights (no download), N prompts x IN tokens, OUT
-generated tokens each, greedy, eager mode (forward hooks need it). Cases:
+generated tokens each, greedy, eager mode, or with ``--graphs`` both engines compiled with CUDA graphs
+(interlace then runs the steps that intervene eagerly, workers/graphs.py). Cases:
 
     none             the interlace engine, requests without interventions
     ops-save4        declarative: save the last token's residual at 4 layers, every step
@@ -20,7 +21,7 @@ the `none` case served them from the prefix cache while intervened requests, whi
 computed every prompt token: an advantage for plain vLLM of about 2 prefill steps per run.)
 
 Usage: python bench/runner_bench.py [--n 256] [--in 128] [--out 128] [--tp 1] [--pp 1]
-       [--cases a,b] [--repeats 3] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
+       [--cases a,b] [--repeats 3] [--graphs] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
        python bench/runner_bench.py --kv-clear [--n 256] [--in 128] [--out 128] [--tiny]
 Prints one JSON line per pair, then a table. ``--kv-clear`` times only what clearing intervened
 requests' KV-cache blocks adds (workers/kv_blocks.py; the steering cases above pay it): the
@@ -75,7 +76,10 @@ def config(args):
     else:
         base = ModelConfig(name="llama-1b-shape", source=MODEL_DIR, dtype="bfloat16", max_model_len=1024,
                            engine_args=ENGINE_ARGS)
-    return base.model_copy(update={"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp})
+    update = {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
+    if args.graphs:  # vLLM as users run it: compiled, CUDA graphs (both engines)
+        update["engine_args"] = {**base.engine_args, "enforce_eager": False}
+    return base.model_copy(update=update)
 
 
 def plain_engine(cfg):
@@ -189,6 +193,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1,prog-save4,prog-steer1,prog-steer1-each")
     parser.add_argument("--kv-clear", action="store_true", help="time clearing intervened requests' KV blocks only")
+    parser.add_argument("--graphs", action="store_true", help="both engines compiled with CUDA graphs (enforce_eager=False; "
+                        "interlace runs intervened steps eager)")
     args = parser.parse_args()
     if args.kv_clear:
         return kv_clear_cost(args)
@@ -231,7 +237,10 @@ def main() -> None:
     table = [(name, statistics.median(plain_rates[name]), statistics.median(ratios[name]), min(ratios[name]),
               max(ratios[name])) for name in names]
 
-    where = f"TP={args.tp} PP={args.pp}, eager, {cfg.dtype}, {cfg.name}"
+    where = f"TP={args.tp} PP={args.pp}, {'CUDA graphs' if args.graphs else 'eager'}, {cfg.dtype}, {cfg.name}"
+    graph_steps = model.engine.collective_rpc("interlace_graph_steps")
+    if graph_steps[0] is not None:
+        print(f"interlace engine steps (rank 0): {graph_steps[0]}")
     print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {where}; {args.repeats} pairs per case")
     print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'min':>6} {'max':>6}")
     for name, rate, median, low, high in table:

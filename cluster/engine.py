@@ -3,12 +3,14 @@
 Every engine interlace starts goes through :func:`engine_args`, so the settings each platform needs
 live in one place:
 
-- both: eager mode (forward hooks fire only in eager mode; settings that compile the model or
-  capture CUDA graphs are refused), interlace's worker extension (activated
-  through ``collective_rpc`` once the engine is up) and its gang-admitting scheduler;
+- both: eager mode by default, interlace's worker extension (activated through ``collective_rpc``
+  once the engine is up) and its gang-admitting scheduler;
 - CPU: an explicit KV cache size (vLLM otherwise sizes it from host memory and fails on a small
-  machine) and one OpenMP core binding per rank (the default binding refuses TP/PP);
-- GPU: vLLM's custom all-reduce and NVLink multicast off (TP=2 otherwise crashed on shared hosts).
+  machine) and one OpenMP core binding per rank (the default binding refuses TP/PP); settings
+  that compile the model or capture graphs are refused (forward hooks fire only in eager code);
+- GPU: vLLM's custom all-reduce and NVLink multicast off (TP=2 otherwise crashed on shared hosts);
+  ``enforce_eager=False`` gives a compiled engine with CUDA graphs, whose steps that intervene run
+  eager (:mod:`interlace.workers.graphs`).
 
     >>> from interlace.cluster.config import ModelConfig
     >>> from interlace.cluster.engine import start_engine
@@ -70,18 +72,22 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
 _EAGER_MODES = (None, 0, "0", "NONE", "none")
 
 
-def refuse_graph_settings(kwargs: dict[str, Any]) -> None:
-    """Refuse engine settings that would run the forward pass without interlace's hooks.
+def refuse_graph_settings(kwargs: dict[str, Any], device: str | None = None) -> None:
+    """Refuse CPU engine settings that would run the forward pass without interlace's hooks.
 
-    Programs and ops run in forward hooks, which fire only in eager mode: under CUDA graphs or
-    ``torch.compile`` every intervention would be skipped without an error. Checked here, before
-    an engine starts, so every engine path (Model, async engines, the cluster) refuses them.
+    Programs and ops run in forward hooks, which a ``torch.compile``'d forward skips; the GPU (V2)
+    runner lets interlace run the steps that intervene eagerly, vLLM's CPU runner does not, so
+    there every intervention would be skipped without an error. Checked here, before an engine
+    starts, so every engine path (Model, async engines, the cluster) refuses them. ``device``:
+    where the engine runs (default: this process's device).
     """
+    if (device or settings.device()) != "cpu":
+        return
     if not kwargs.get("enforce_eager", True):
         raise ValueError(
-            f"enforce_eager={kwargs['enforce_eager']!r}: interlace runs interventions in forward hooks, "
-            "which CUDA graphs and torch.compile skip (every intervention would be silently lost). "
-            "Leave enforce_eager out (interlace sets True)"
+            f"enforce_eager={kwargs['enforce_eager']!r}: on a CPU, interlace runs the model eagerly (its "
+            "interventions run in forward hooks, which a compiled forward skips: every intervention would be "
+            "silently lost). Leave enforce_eager out (interlace sets True); GPU engines accept False"
         )
     compilation = kwargs.get("compilation_config")
     if compilation is None:
@@ -93,9 +99,9 @@ def refuse_graph_settings(kwargs: dict[str, Any]) -> None:
         value = get(key)
         if _setting_name(value) not in _EAGER_MODES:
             raise ValueError(
-                f"compilation_config {key}={value!r}: interlace runs interventions in forward hooks, "
-                "which CUDA graphs and torch.compile skip (every intervention would be silently "
-                f"lost). Remove {key} from compilation_config (interlace runs the model eagerly)"
+                f"compilation_config {key}={value!r}: on a CPU, interlace runs the model eagerly (its "
+                "interventions run in forward hooks, which a compiled forward skips: every intervention "
+                f"would be silently lost). Remove {key} from compilation_config"
             )
 
 

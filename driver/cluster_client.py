@@ -93,8 +93,9 @@ class Cluster:
         from interlace.cluster.engine import refuse_graph_settings
 
         self.config = ClusterConfig.load(config)
-        # As Model does: refused here, before Ray or any replica starts.
-        refuse_graph_settings({**self.config.model.engine_args, **engine_overrides})
+        # As Model does: refused here, before Ray or any replica starts (CPU replicas only).
+        if not self.config.resources.num_gpus:
+            refuse_graph_settings({**self.config.model.engine_args, **engine_overrides}, device="cpu")
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init(address=address or "local", include_dashboard=False, **(ray_init or {}))

@@ -6,6 +6,7 @@ Engines take 20-70 s to start on CPU, so every test shares the few engines below
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -30,8 +31,13 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=gpu)
 
 
+# Engine settings for every shared engine, e.g. '{"enforce_eager": false}' to run the suite on
+# compiled GPU engines with CUDA graphs (interventions then run in eager steps: workers/graphs.py).
+ENGINE_OVERRIDES = json.loads(os.environ.get("INTERLACE_TEST_ENGINE_ARGS", "{}"))
+
+
 def _model(name: str, **overrides) -> interlace.Model:
-    model = interlace.Model(name, **overrides)
+    model = interlace.Model(name, **{**ENGINE_OVERRIDES, **overrides})
     model.engine  # start now, so a start-up failure shows in the fixture, not in a test
     return model
 

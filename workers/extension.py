@@ -34,6 +34,11 @@ class InterlaceWorkerExtension:
         preempting a request (KV cache pressure)."""
         return self.model_runner._interlace.replays
 
+    def interlace_graph_steps(self) -> dict[str, int] | None:
+        """On a compiled engine, this rank's steps run with vLLM's graphs and eagerly (those that
+        intervened) since start-up; None on an eager engine."""
+        return getattr(self.model_runner._interlace, "graph_steps", None)
+
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,
         e.g. a block that defers its all-reduce); False where the module runs on another stage."""

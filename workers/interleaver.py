@@ -195,6 +195,7 @@ class Interleaver:
         self.reporter = Reporter()
         self.slots = SlotTable()
         self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
+        self.graph_steps: dict[str, int] | None = None  # a compiled engine's steps by kind (graphs.py)
         self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)

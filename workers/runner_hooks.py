@@ -4,7 +4,8 @@ This is the only file that knows runner internals, and it stays thin: it wraps t
 points and builds a :class:`BatchLayout` per step.
 
     execute_model(scheduler_output)  finish requests vLLM has dropped (clearing the KV-cache blocks of
-                                     those that may have written: kv_blocks.py), admit new ones
+                                     those that may have written: kv_blocks.py), admit new ones; on a
+                                     compiled engine, run the step eager iff it intervenes (graphs.py)
       model forward pre-hook         begin_step(layout): rows are final once the forward starts
       ... module hooks ...
     runner sampling                  programs at samples, then forced tokens checked (check_samples)
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from interlace.workers.graphs import GraphSwitch, eager_kernels, is_compiled
 from interlace.workers.interleaver import PAYLOAD_KEY, Interleaver
 from interlace.workers.kv_blocks import KVBlocks
 from interlace.workers.layout import layout_from_v1_runner, layout_from_v2_input_batch
@@ -75,6 +77,16 @@ def install(runner, all_modules: list[str]) -> Interleaver:
 
         runner.prepare_inputs = prepare_inputs
 
+    switch = None  # a compiled engine's per-step choice between graphs and eager (graphs.py)
+    if is_compiled(runner):
+        if not is_v2:
+            raise RuntimeError("interlace runs interventions on a compiled engine only with vLLM's V2 GPU runner; "
+                               "start this engine with enforce_eager=True")
+        switch = GraphSwitch(runner)
+        inter.graph_steps = switch.steps  # read by the extension's interlace_graph_steps
+        logger.info("interlace: compiled engine; %d custom ops run their CUDA kernels in eager steps",
+                    eager_kernels(runner.model))
+
     def current_layout():
         return layout_from_v2_input_batch(captured["batch"]) if is_v2 else layout_from_v1_runner(runner)
 
@@ -105,7 +117,14 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         state["in_step"] = inter.active
         if intermediate_tensors is not None and inter.active:  # an earlier stage's carry
             inter.carry_in = _guard(inter, lambda: unpack(take_carry(intermediate_tensors.tensors))) or {}
+        if switch is not None:  # the same choice on every rank: admission is. A step of no tokens
+            # (one that only lets finished requests go) runs no forward at all.
+            switch.begin(eager=inter.active and scheduler_output.total_num_scheduled_tokens > 0)
         output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
+        if switch is not None and switch.missed():
+            _fail_all(inter, RuntimeError(f"a step that intervenes ran {switch.seen} instead of an eager forward, "
+                                          "so interlace's hooks did not run; start the engine with enforce_eager=True"),
+                      "a compiled step")
         if output is not None and state["in_step"]:
             state["in_step"] = False
             carry = _guard(inter, inter.end_step)
@@ -122,6 +141,8 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         return output
 
     def begin_step(_module, _args, _kwargs):
+        if switch is not None and not switch.enter_forward():
+            return  # a step with graphs, or one whose invokes fail after it (switch.missed)
         if state["in_step"] and inter.step is None:
             _guard(inter, inter.begin_step, current_layout())
 
@@ -188,9 +209,13 @@ def _guard(inter: Interleaver, fn, *args):
         return fn(*args)
     except Exception as exc:  # noqa: BLE001
         logger.exception("interlace: internal error in %s", getattr(fn, "__name__", fn))
-        from interlace.workers.calls import error_record
-
-        record = error_record(exc, where=f"interlace internals ({getattr(fn, '__name__', fn)})")
-        for inv in inter.invokes.values():
-            inv.fail(record)
+        _fail_all(inter, exc, f"interlace internals ({getattr(fn, '__name__', fn)})")
         return None
+
+
+def _fail_all(inter: Interleaver, exc: BaseException, where: str) -> None:
+    from interlace.workers.calls import error_record
+
+    record = error_record(exc, where=where)
+    for inv in inter.invokes.values():
+        inv.fail(record)

@@ -1,0 +1,69 @@
+"""Compiled GPU engines with CUDA graphs (``enforce_eager=False``): steps without interventions
+run vLLM's graphs, steps with them run eager and match transformers (workers/graphs.py).
+
+The whole fidelity suite also runs on such engines: ``INTERLACE_TEST_ENGINE_ARGS='{"enforce_eager":
+false}' pytest tests/test_interventions.py ...`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import interlace
+from interlace import ops
+
+pytestmark = pytest.mark.gpu
+ATOL = 1e-2  # vLLM's float32 matmuls run in TF32 on GPUs (see test_interventions)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model = interlace.Model("tiny-llama", enforce_eager=False)
+    model.engine
+    yield model
+    model.close()
+
+
+def steps(model) -> dict[str, int]:
+    [counts] = model.engine.collective_rpc("interlace_graph_steps")
+    return dict(counts)
+
+
+def test_plain_traces_run_graphs_and_intervened_ones_run_eager_and_exact(compiled, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("The capital of France is")
+    vector = torch.randn(oracle.model.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 2
+
+    before = steps(compiled)
+    plain = compiled.generate(ids, max_tokens=6, ignore_eos=True).token_ids
+    after_plain = steps(compiled)
+    assert after_plain["eager"] == before["eager"] and after_plain["graph"] >= before["graph"] + 6
+    assert plain == oracle.greedy(ids, 6)
+
+    steered = compiled.generate(ids, ops=[ops.add("layers.1.resid", vector)], max_tokens=6, ignore_eos=True).token_ids
+    after_steer = steps(compiled)
+    assert after_steer["eager"] >= after_plain["eager"] + 6  # every step of the intervened request
+    assert steered == oracle.greedy(ids, 6, hooks={oracle.layers[1]: lambda out: out + vector}) != plain
+
+    def save_all(m):
+        for i in range(len(oracle.layers)):
+            m.save(f"resid{i}", m.layers[i].resid)
+
+    out = compiled.generate(ids, program=save_all, max_tokens=4, ignore_eos=True)
+    expected = oracle.run(ids + out.token_ids[:-1])["resid"]
+    for i, want in enumerate(expected):
+        torch.testing.assert_close(out.saves[f"resid{i}"], want, atol=ATOL, rtol=ATOL)
+
+
+def test_a_trace_mixing_plain_and_intervened_invokes_is_exact_for_both(compiled, oracles):
+    oracle = oracles["tiny-llama"]
+    prompts = ["One two three four", "The capital of France is", "Hello, my name is"]
+    with compiled.trace(max_tokens=5, ignore_eos=True) as tr:
+        tr.invoke(oracle.ids(prompts[0]))
+        tr.invoke(oracle.ids(prompts[1]), ops=[ops.zero("layers.2.mlp.output")])
+        tr.invoke(oracle.ids(prompts[2]))
+    zeroed = {oracle.layers[2].mlp: lambda out: torch.zeros_like(out)}
+    assert tr.result[0].token_ids == oracle.greedy(oracle.ids(prompts[0]), 5)
+    assert tr.result[1].token_ids == oracle.greedy(oracle.ids(prompts[1]), 5, hooks=zeroed)
+    assert tr.result[2].token_ids == oracle.greedy(oracle.ids(prompts[2]), 5)

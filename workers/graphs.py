@@ -1,0 +1,115 @@
+"""Compiled engines with CUDA graphs: steps without interventions replay graphs, the others run eager.
+
+interlace's programs and ops run in forward hooks, which a CUDA graph replay or a torch.compile'd
+forward never calls. On a compiled engine (vLLM's V2 GPU runner, ``enforce_eager`` off) a step
+whose batch holds an intervened request therefore runs the model's own ``nn.Module`` forward, and
+every other step runs as plain vLLM would (full or piecewise graphs). vLLM 0.26 has both switches
+this needs, and uses them itself for encoder-decoder steps:
+
+- the runner's graph manager picks a step's CUDA-graph mode in ``dispatch``; for an intervened
+  step :class:`GraphSwitch` returns the descriptor vLLM uses for a batch too large to capture (no
+  graph, no padding), so inputs and attention metadata are built for an eager step;
+- ``ForwardContext.skip_compiled`` makes the ``@support_torch_compile`` model call its original
+  ``forward`` instead of the compiled code; set in the forward pre-hook, where the context exists.
+
+vLLM's custom ops (RMSNorm, SiLU-and-mul, rotary embedding) run their PyTorch-native code in a
+compiled engine (traced into the compiled graphs); an eager step would run those as several small
+kernels each. Compiled code never calls the modules' Python again, so :func:`eager_kernels` points
+them at their CUDA kernels for eager steps only: an intervened step costs what it costs on an
+eager engine, and computes the same.
+
+A step marked eager that did not reach the model eagerly (a vLLM whose runner changed) fails that
+step's invokes with a clear error, never dropping their interventions silently. Counters say how
+many steps ran each way (the worker extension's ``interlace_graph_steps``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+class GraphSwitch:
+    """Per-step choice between vLLM's graphs and an eager forward, on one compiled V2 runner."""
+
+    def __init__(self, runner):
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.forward_context import ForwardContext
+        from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+        manager = getattr(runner, "cudagraph_manager", None)
+        if "skip_compiled" not in getattr(ForwardContext, "__dataclass_fields__", {}):
+            raise RuntimeError("this vLLM's forward context has no skip_compiled switch: interlace cannot run "
+                               "interventions on a compiled engine here; start it with enforce_eager=True")
+        self._none = CUDAGraphMode.NONE
+        self.eager = False  # this step must run the nn.Module forward
+        self.entered = False  # and it did
+        self.seen = ""  # what the step ran instead, for the error when it did not
+        self.steps = {"graph": 0, "eager": 0}
+        if manager is not None:
+            original = manager.dispatch
+
+            @functools.wraps(original)
+            def dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras=0):
+                desc = original(num_reqs, num_tokens, uniform_token_count, num_active_loras=num_active_loras)
+                if self.eager and desc.cg_mode != CUDAGraphMode.NONE:
+                    # What dispatch returns for a batch no graph was captured for: unpadded, no graph.
+                    return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
+                                                    num_reqs=num_reqs, num_active_loras=desc.num_active_loras)
+                return desc
+
+            manager.dispatch = dispatch
+
+    def begin(self, eager: bool) -> None:
+        """Before the runner's step: whether it must run eager."""
+        self.eager, self.entered, self.seen = eager, False, "no call of the model's forward"
+        self.steps["eager" if eager else "graph"] += 1
+
+    def enter_forward(self) -> bool:
+        """In the model's forward pre-hook of an eager step: skip the compiled code; True when this
+        forward really runs eager (no graph mode chosen for it)."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not self.eager or not is_forward_context_available():
+            return False
+        context = get_forward_context()
+        context.skip_compiled = True
+        self.entered = context.cudagraph_runtime_mode == self._none
+        self.seen = f"a forward in CUDA-graph mode {context.cudagraph_runtime_mode}"
+        return self.entered
+
+    def missed(self) -> bool:
+        """After the step: it was marked eager and never ran the model eagerly."""
+        missed = self.eager and not self.entered
+        self.eager = False
+        return missed
+
+
+def is_compiled(runner) -> bool:
+    """Whether the runner's engine compiles the model or captures CUDA graphs."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    config = runner.vllm_config.compilation_config
+    return config.mode != CompilationMode.NONE or config.cudagraph_mode != CUDAGraphMode.NONE
+
+
+def eager_kernels(model) -> int:
+    """Point vLLM custom ops that run PyTorch-native code at their CUDA kernels, for forwards that
+    run eager; returns how many were changed. Compiled graphs already hold the native code."""
+    from vllm.model_executor.custom_op import CustomOp
+
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, CustomOp) or type(module).forward_cuda is CustomOp.forward_cuda:
+            continue
+        if _is_native(module):
+            module._forward_method = module.forward_cuda
+            changed += 1
+    return changed
+
+
+def _is_native(module: Any) -> bool:
+    method = getattr(module, "_forward_method", None)
+    target = getattr(method, "__func__", None) or getattr(getattr(method, "_torchdynamo_orig_callable", None),
+                                                          "__func__", None)
+    return target is type(module).forward_native
