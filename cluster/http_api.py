@@ -185,6 +185,17 @@ def safetensors_body(response: TraceResponse, tensors: dict) -> bytes:
     return save(tensors, metadata={"interlace": response.model_dump_json(exclude={"tensors"})})
 
 
+def read_safetensors_body(body: bytes) -> tuple[TraceResponse, dict]:
+    """The response and its tensors from a binary answer (:func:`safetensors_body`)."""
+    import struct
+
+    from safetensors.torch import load
+
+    header_len = struct.unpack("<Q", body[:8])[0]  # the format's own layout: u64 length, JSON header
+    metadata = json.loads(body[8 : 8 + header_len]).get("__metadata__") or {}
+    return TraceResponse.model_validate_json(metadata["interlace"]), load(body)
+
+
 def decode_result(response: TraceResponse, tensors: dict | None = None):
     """A :class:`interlace.TraceResult` from a response (the client's side)."""
     from interlace.trace import InvokeResult, TraceResult

@@ -236,8 +236,10 @@ class Ingress:
                 reports.setdefault(r.invoke, []).append(r)
             await on_event("invoke", _invoke_event(indices[j], done, invoke_reports))
 
-    async def finish(self, run: _Run, on_event=None) -> tuple[int, bytes, str, dict]:
-        """Run the trace to its answer: (status, body, content type, metrics outcome)."""
+    async def finish(self, run: _Run, on_event=None, binary: bool = False) -> tuple[int, bytes, str, dict]:
+        """Run the trace to its answer: (status, body, content type, metrics outcome); ``binary``: a
+        200 answer as one .safetensors file (no base64 or JSON of the tensors: about a tenth of the
+        CPU per answer, in the ingress and the client alike)."""
         from interlace.trace import InterventionError
 
         outcome: dict[str, Any] = {}
@@ -250,6 +252,8 @@ class Ingress:
                 raise Refused(413, "SavesTooLarge", f"the trace saved {saved} bytes; the limit is "
                               f"{self.config.limits.max_save_bytes}")
             self._count(outcome, run.request, result, saved)
+            if binary:
+                return 200, safetensors_body(response, tensors), SAFETENSORS_TYPE, outcome
             response.tensors = tensors_b64(tensors)
             return 200, response.model_dump_json().encode(), "application/json", outcome
         except InterventionError as exc:
@@ -353,14 +357,12 @@ class Ingress:
             task.add_done_callback(self._background.discard)
             return JSONResponse({"id": run.trace_id, "status": "running"}, status_code=202)
         try:
-            status, payload, content_type, outcome = await self.finish(run)
+            status, payload, content_type, outcome = await self.finish(
+                run, binary=SAFETENSORS_TYPE in request.headers.get("accept", ""))
         except BaseException:
             await self.state.release.remote(caller.name)
             raise
         await self._record(run, outcome)  # and frees the token's slot
-        if status == 200 and SAFETENSORS_TYPE in request.headers.get("accept", ""):
-            response = TraceResponse.model_validate_json(payload)
-            return Response(_binary(response), media_type=SAFETENSORS_TYPE)
         return Response(payload, status_code=status, media_type=content_type)
 
     async def _record(self, run: _Run, outcome: dict) -> None:
@@ -475,15 +477,6 @@ def _invoke_event(index: int, done, reports) -> dict:
     tensors = {n: v.detach().cpu().contiguous().clone() for n, v in saves.items() if isinstance(v, torch.Tensor)}
     return {"invoke": index, "token_ids": done.token_ids, "text": done.text, "saves": sorted(tensors),
             "tensors": tensors_b64(tensors), "error": error}
-
-
-def _binary(response: TraceResponse) -> bytes:
-    import base64
-
-    from safetensors.torch import load
-
-    tensors = load(base64.b64decode(response.tensors)) if response.tensors else {}
-    return safetensors_body(response, tensors)
 
 
 def _sse(event: str, data: dict) -> bytes:

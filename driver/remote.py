@@ -6,7 +6,8 @@
     ...     tr.invoke("Hello", ops=[interlace.ops.save("layers.1.resid", tokens="last")])
     >>> tr.result[0].saves["layers.1.resid"].shape
 
-Declarative ops travel as JSON (tensors as base64 safetensors) and work with any token; programs
+Declarative ops travel as JSON (tensors as base64 safetensors) and work with any token; results
+come back as one .safetensors file (``Accept: application/octet-stream``); programs
 travel pickled by value and need a token whose role is ``code``. ``submit(trace)`` returns a
 future; ``stream(trace)`` yields the server's events (tokens as they are generated, each invoke as
 it completes, then the result). Errors are the ones ``Model`` raises (``InterventionError`` with
@@ -147,12 +148,13 @@ class Remote:
     # --- HTTP --------------------------------------------------------------------------------
 
     def _send(self, trace: Trace, body: dict) -> TraceResult:
-        from interlace.cluster.http_api import TraceResponse
+        from interlace.cluster.http_api import SAFETENSORS_TYPE, read_safetensors_body
 
-        response = self._http.post("/v1/traces", json=body)
+        # The answer as one .safetensors file: no base64 or JSON of the saves on either side.
+        response = self._http.post("/v1/traces", json=body, headers={"Accept": SAFETENSORS_TYPE})
         if response.status_code != 200:
             self._raise(response.status_code, _body(response), trace)
-        return self._decode(trace, TraceResponse.model_validate(response.json()))
+        return self._decode(trace, *read_safetensors_body(response.content))
 
     def _json(self, method: str, path: str) -> dict:
         response = self._http.request(method, path)
@@ -160,10 +162,10 @@ class Remote:
             self._raise(response.status_code, _body(response))
         return response.json()
 
-    def _decode(self, trace: Trace, response) -> TraceResult:
+    def _decode(self, trace: Trace, response, tensors: dict | None = None) -> TraceResult:
         from interlace.cluster.http_api import decode_result
 
-        result = decode_result(response)
+        result = decode_result(response, tensors)
         for inv, sent in zip(result.invokes, trace.invokes):
             inv.prompt = sent.prompt
         return result
