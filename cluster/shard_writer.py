@@ -99,7 +99,12 @@ class ShardRunner:
         slot = os.environ.get("INTERLACE_SWEEP_SLOT", "0")  # fixed per pool slot: a restart cleans its folder
         self.replica = Replica(self.plan.model, int(slot), None, f"sweep-{self.plan.sweep_id}-{slot}",
                                self.plan.engine_overrides)
-        info = self._call(self.replica.ready())
+        try:
+            info = self._call(self.replica.ready())
+        except BaseException:  # Ray Data constructs the runner again (a sweep's engine start retries)
+            self.replica.shutdown()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
         _reap_on_exit(self.replica.engine_pids())
         self.fatal = self._check_ops(info["module_names"])
         engine = self.replica._engine  # started by ready(); its tokenizer checks prompt lengths as vLLM counts them

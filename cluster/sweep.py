@@ -61,6 +61,7 @@ MANIFEST = "manifest.json"
 SHARED_FILE = "shared.safetensors"
 FORMAT = 1
 _WAIT_FOR_REPLICAS_S = 900  # engine start-up, placement included
+_ENGINE_START_RETRIES = 2  # a replica's engine start tried again in its actor (then the sweep fails)
 _MANIFEST_EVERY_S = 2.0
 _LOG_EVERY_S = 1.0  # the manifest is rewritten at most this often while shards land (records are the commits)
 
@@ -255,8 +256,11 @@ def _import_program(intervention: SweepIntervention, base_dir: str | Path | None
 def _run_pending(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[int], manifest: dict,
                  out: SweepStore, progress: "_Progress") -> None:
     # No progress bars: ours is the progress line. Dispatch once every replica's engine is up:
-    # otherwise the first one up takes all the shards while the others are still starting.
-    with _data_context(enable_progress_bars=False, wait_for_min_actors_s=_WAIT_FOR_REPLICAS_S):
+    # otherwise the first one up takes all the shards while the others are still starting. A
+    # replica whose engine fails to start (killed, out of memory) tries again in its actor: Ray
+    # Data's default fails the whole sweep at the first constructor error.
+    with _data_context(enable_progress_bars=False, wait_for_min_actors_s=_WAIT_FOR_REPLICAS_S,
+                       actor_init_retry_on_errors=True, actor_init_max_retries=_ENGINE_START_RETRIES):
         _stream(cfg, plan, rows, pending, manifest, out, progress)
 
 

@@ -267,6 +267,44 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
         torch.testing.assert_close(sweep.shared[name], torch.as_tensor(want), atol=1e-3, rtol=1e-4)
 
 
+# --- a replica whose engine dies while it starts: started again in its actor, the sweep completes ------
+
+
+def test_a_replica_whose_engine_dies_while_starting_starts_it_again(ray_cluster, tmp_path, llama):
+    prompts = text_prompts(12)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    path = write_config(tmp_path, "start", cluster={**CLUSTER, "replicas": 1}, input={"paths": ["prompts.jsonl"]},
+                        output="out", shard_size=4, generation={"max_tokens": 2},
+                        intervention={"ops": [{"op": "save", "point": "layers.2.resid", "name": "r2", "tokens": "last"}]})
+    killed: list[int] = []
+
+    def kill_the_first_engine_as_it_starts() -> None:
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            engines = ray_engines(wait_s=0)
+            if engines:
+                os.kill(engines[0], signal.SIGKILL)
+                killed.append(engines[0])
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_first_engine_as_it_starts)
+    killer.start()
+    try:
+        manifest = run_sweep(SweepConfig.load(path))
+    finally:
+        killer.join()
+    assert killed, "no engine was seen starting"
+    assert manifest["status"] == "complete" and manifest["summary"]["failures"] == 0
+    rows, plain = read_plain(tmp_path / "out")
+    assert [r["prompt_id"] for r in rows] == list(range(12))  # each prompt once
+    with llama.trace(max_tokens=2) as tr:
+        for p in prompts:
+            tr.invoke(p, ops=[ops.save("layers.2.resid", name="r2", tokens="last")])
+    for i, want in enumerate(tr.result):
+        assert rows[i]["token_ids"] == want.token_ids
+        assert_close(plain[i]["r2"], want.saves["r2"])
+
+
 # --- a driver killed mid-sweep: the rerun completes, each prompt once, committed shards untouched -------
 
 
