@@ -15,8 +15,9 @@ this needs, and uses them itself for encoder-decoder steps:
 vLLM's custom ops (RMSNorm, SiLU-and-mul, rotary embedding) run their PyTorch-native code in a
 compiled engine (traced into the compiled graphs); an eager step would run those as several small
 kernels each. Compiled code never calls the modules' Python again, so :func:`eager_kernels` points
-them at their CUDA kernels for eager steps only: an intervened step costs what it costs on an
-eager engine, and computes the same.
+them at their CUDA kernels for eager steps only: an intervened step should cost what it costs on
+an eager engine, and compute the same (measured on an H100 before RMSNorm's IR op was changed too:
+twice an eager engine's step; not measured since).
 
 A step marked eager that did not reach the model eagerly (a vLLM whose runner changed) fails that
 step's invokes with a clear error, never dropping their interventions silently. Counters say how
@@ -94,8 +95,14 @@ def is_compiled(runner) -> bool:
 
 
 def eager_kernels(model) -> int:
-    """Point vLLM custom ops that run PyTorch-native code at their CUDA kernels, for forwards that
-    run eager; returns how many were changed. Compiled graphs already hold the native code."""
+    """Point vLLM's ops that run PyTorch-native code in a compiled engine at the kernels an eager
+    engine runs, for the forwards that run eager; returns how many were changed.
+
+    Two kinds: custom-op modules (SiLU-and-mul, rotary embedding: their bound forward), and
+    vLLM's IR ops (RMSNorm, fused add + RMSNorm), which dispatch on a per-process priority that a
+    compiled engine sets to "native" so that inductor can fuse them. Compiled graphs and captured
+    CUDA graphs hold what was chosen when they were made and never dispatch again.
+    """
     from vllm.model_executor.custom_op import CustomOp
 
     changed = 0
@@ -104,6 +111,15 @@ def eager_kernels(model) -> int:
             continue
         if _is_native(module):
             module._forward_method = module.forward_cuda
+            changed += 1
+    try:
+        from vllm.ir.op import IrOp
+    except ImportError:  # a vLLM without IR ops
+        return changed
+    for op in IrOp.registry.values():
+        priority = op.get_priority()
+        if priority[:1] == ["native"] and "vllm_c" in op.supported_providers():
+            op.set_default(["vllm_c", "native"])  # an eager engine's priority on CUDA
             changed += 1
     return changed
 
