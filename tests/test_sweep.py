@@ -126,6 +126,20 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
 
 
+def assert_equals_model(out: Path, llama, prompts: list[str], max_tokens: int, layer: int) -> None:
+    """The sweep in ``out`` saved ``r<layer>``, the last token's residual after ``layer``: read back
+    with pyarrow and safetensors, every prompt once, in order, equal to the same trace on ``Model``."""
+    name = f"r{layer}"
+    rows, plain = read_plain(out)
+    assert [r["prompt_id"] for r in rows] == list(range(len(prompts)))
+    with llama.trace(max_tokens=max_tokens) as tr:
+        for p in prompts:
+            tr.invoke(p, ops=[ops.save(f"layers.{layer}.resid", name=name, tokens="last")])
+    for i, want in enumerate(tr.result):
+        assert rows[i]["token_ids"] == want.token_ids
+        assert_close(plain[i][name], want.saves[name])
+
+
 # --- ops: 200 prompts, two replicas, read back two ways, rerun skips everything ---------------------
 
 
@@ -295,14 +309,7 @@ def test_a_replica_whose_engine_dies_while_starting_starts_it_again(ray_cluster,
         killer.join()
     assert killed, "no engine was seen starting"
     assert manifest["status"] == "complete" and manifest["summary"]["failures"] == 0
-    rows, plain = read_plain(tmp_path / "out")
-    assert [r["prompt_id"] for r in rows] == list(range(12))  # each prompt once
-    with llama.trace(max_tokens=2) as tr:
-        for p in prompts:
-            tr.invoke(p, ops=[ops.save("layers.2.resid", name="r2", tokens="last")])
-    for i, want in enumerate(tr.result):
-        assert rows[i]["token_ids"] == want.token_ids
-        assert_close(plain[i]["r2"], want.saves["r2"])
+    assert_equals_model(tmp_path / "out", llama, prompts, max_tokens=2, layer=2)  # each prompt once
 
 
 # --- a driver killed mid-sweep: the rerun completes, each prompt once, committed shards untouched -------
@@ -344,14 +351,7 @@ def test_a_killed_driver_resumes_with_every_prompt_once(ray_cluster, tmp_path, l
     manifest = run_sweep(SweepConfig.load(path))
     assert manifest["status"] == "complete" and len(manifest["shards"]) == 15
     assert {n: t for n, t in shard_mtimes(out).items() if n in kept} == kept
-    rows, plain = read_plain(out)
-    assert [r["prompt_id"] for r in rows] == list(range(60))
-    with llama.trace(max_tokens=3) as tr:
-        for p in prompts:
-            tr.invoke(p, ops=[ops.save("layers.3.resid", name="r3", tokens="last")])
-    for i, want in enumerate(tr.result):
-        assert rows[i]["token_ids"] == want.token_ids
-        assert_close(plain[i]["r3"], want.saves["r3"])
+    assert_equals_model(out, llama, prompts, max_tokens=3, layer=3)
     assert not left, f"the killed driver left processes behind: {left}"
 
 

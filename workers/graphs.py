@@ -12,10 +12,10 @@ this needs, and uses them itself for encoder-decoder steps:
 - ``ForwardContext.skip_compiled`` makes the ``@support_torch_compile`` model call its original
   ``forward`` instead of the compiled code; set in the forward pre-hook, where the context exists.
 
-vLLM's custom ops (RMSNorm, SiLU-and-mul, rotary embedding) run their PyTorch-native code in a
-compiled engine (traced into the compiled graphs); an eager step would run those as several small
-kernels each. Compiled code never calls the modules' Python again, so :func:`eager_kernels` points
-them at their CUDA kernels for eager steps only: an intervened step should cost what it costs on
+vLLM's custom ops (SiLU-and-mul, rotary embedding) and IR ops (RMSNorm) run their PyTorch-native
+code in a compiled engine (traced into the compiled graphs); an eager step would run those as
+several small kernels each. Compiled code never calls the modules' Python again, so
+:func:`eager_kernels` points them at their CUDA kernels for eager steps only: an intervened step should cost what it costs on
 an eager engine, and compute the same (measured on an H100 before RMSNorm's IR op was changed too:
 twice an eager engine's step; not measured since).
 
@@ -34,6 +34,7 @@ class GraphSwitch:
     """Per-step choice between vLLM's graphs and an eager forward, on one compiled V2 runner."""
 
     def __init__(self, runner):
+        from vllm import forward_context
         from vllm.config.compilation import CUDAGraphMode
         from vllm.forward_context import ForwardContext
         from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
@@ -43,6 +44,7 @@ class GraphSwitch:
             raise RuntimeError("this vLLM's forward context has no skip_compiled switch: interlace cannot run "
                                "interventions on a compiled engine here; start it with enforce_eager=True")
         self._none = CUDAGraphMode.NONE
+        self._contexts = forward_context  # read in every eager step's pre-hook: no import there
         self.eager = False  # this step must run the nn.Module forward
         self.entered = False  # and it did
         self.seen = ""  # what the step ran instead, for the error when it did not
@@ -69,11 +71,9 @@ class GraphSwitch:
     def enter_forward(self) -> bool:
         """In the model's forward pre-hook of an eager step: skip the compiled code; True when this
         forward really runs eager (no graph mode chosen for it)."""
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
-        if not self.eager or not is_forward_context_available():
+        if not self.eager or not self._contexts.is_forward_context_available():
             return False
-        context = get_forward_context()
+        context = self._contexts.get_forward_context()
         context.skip_compiled = True
         self.entered = context.cudagraph_runtime_mode == self._none
         self.seen = f"a forward in CUDA-graph mode {context.cudagraph_runtime_mode}"
