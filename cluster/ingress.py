@@ -38,6 +38,7 @@ from interlace.cluster.http_api import (
     SAFETENSORS_TYPE, ErrorBody, TraceRequest, TraceResponse, encode_result, parse_request, safetensors_body,
     tensors_b64,
 )
+from interlace.cluster.serve_state import SharedState
 
 api = FastAPI(title="interlace", description="Intervention programs inside vLLM, over HTTP.", version="1")
 
@@ -73,7 +74,7 @@ class Ingress:
     def __init__(self, config: dict, engine, state):
         self.config = ServeConfig.model_validate(config)
         self.tokens = Tokens.load(self.config.auth)
-        self.engine, self.state = engine, state
+        self.engine, self.state = engine, SharedState(state)
         self._tree = None
         self._model_names: list[str] = []
         self._background: set[asyncio.Task] = set()  # asynchronous traces running in this replica
@@ -323,7 +324,7 @@ class Ingress:
     async def metrics(self):
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(await self.state.exposition.remote(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await self.state.call("exposition"), media_type=CONTENT_TYPE_LATEST)
 
     async def _answer(self, request: Request, route: str, handler):
         try:
@@ -332,7 +333,8 @@ class Ingress:
             response = _error(exc.status, exc.body)
         except Exception as exc:  # noqa: BLE001 - a fault of the server's: answered and counted like any other
             response = _error(500, ErrorBody(type="InternalError", message=f"{type(exc).__name__}: {exc}"))
-        await self.state.record_request.remote(route, response.status_code)
+        if not getattr(response, "counted", False):  # a trace answered at once counts it with its metrics
+            await self.state.call("record_request", route, response.status_code)
         return response
 
     async def _submit(self, request: Request):
@@ -346,13 +348,13 @@ class Ingress:
             raise Refused(status, "InvalidTrace" if status == 422 else "BadRequest", message) from None
         self._check_limits(caller, req)
         limit = caller.max_in_flight or self.config.limits.max_in_flight_per_token
-        if not await self.state.acquire.remote(caller.name, limit):
+        if not await self.state.call("acquire", caller.name, limit):
             raise Refused(429, "TooManyRequests", f"token {caller.name!r} has {limit} traces in flight, its limit")
         run = _Run(uuid.uuid4().hex[:16], caller, req, time.time())
         if req.stream:
             return StreamingResponse(self._events(run), media_type="text/event-stream")
         if not req.wait:
-            await self.state.begin.remote(run.trace_id, caller.name)
+            await self.state.call("begin", run.trace_id, caller.name)
             self._background.add(task := asyncio.get_running_loop().create_task(self._in_background(run)))
             task.add_done_callback(self._background.discard)
             return JSONResponse({"id": run.trace_id, "status": "running"}, status_code=202)
@@ -360,30 +362,33 @@ class Ingress:
             status, payload, content_type, outcome = await self.finish(
                 run, binary=SAFETENSORS_TYPE in request.headers.get("accept", ""))
         except BaseException:
-            await self.state.release.remote(caller.name)
+            await self.state.call("release", caller.name)
             raise
-        await self._record(run, outcome)  # and frees the token's slot
-        return Response(payload, status_code=status, media_type=content_type)
+        await self._record(run, outcome, request=("/v1/traces", status))  # and frees the token's slot
+        response = Response(payload, status_code=status, media_type=content_type)
+        response.counted = True
+        return response
 
-    async def _record(self, run: _Run, outcome: dict) -> None:
-        """The trace's metrics, and its token's slot freed: one call."""
+    async def _record(self, run: _Run, outcome: dict, request: tuple[str, int] | None = None) -> None:
+        """The trace's metrics, and its token's slot freed (and the HTTP request counted, when
+        given as its route and status): one call."""
         outcome["completion_s"] = time.time() - run.accepted
-        await self.state.trace_done.remote(run.caller.name, outcome)
+        await self.state.call("trace_done", run.caller.name, outcome, request)
 
     async def _in_background(self, run: _Run, poll_s: float = 0.5) -> None:
         """An asynchronous trace; a cancel may arrive at any ingress replica (the state holds it)."""
         work = asyncio.get_running_loop().create_task(self.finish(run))
         while not work.done():
             await asyncio.wait({work}, timeout=poll_s)
-            if not work.done() and await self.state.cancelled.remote([run.trace_id]):
+            if not work.done() and await self.state.call("cancelled", [run.trace_id]):
                 work.cancel()
         try:
             status, payload, content_type, outcome = await work
             await self._record(run, outcome)
         except asyncio.CancelledError:
             status, payload, content_type = _error_bytes(499, "Cancelled", "the trace was cancelled")
-            await self.state.release.remote(run.caller.name)
-        await self.state.finish.remote(run.trace_id, status, payload, content_type)
+            await self.state.call("release", run.caller.name)
+        await self.state.call("finish", run.trace_id, status, payload, content_type)
 
     async def _events(self, run: _Run) -> AsyncIterator[bytes]:
         """The trace's server-sent events. Each chunk handed to Serve is a message through this
@@ -398,13 +403,13 @@ class Ingress:
             try:
                 status, payload, _, outcome = await self.finish(run, on_event)
             except Exception as exc:  # noqa: BLE001 - a fault of the server's: the stream ends saying so
-                await self.state.release.remote(run.caller.name)
+                await self.state.call("release", run.caller.name)
                 body = _error_bytes(500, "InternalError", f"{type(exc).__name__}: {exc}")[1]
                 queue.put_nowait(("error", _with_status(body, 500)))
                 queue.put_nowait(None)
                 return
             except BaseException:
-                await self.state.release.remote(run.caller.name)
+                await self.state.call("release", run.caller.name)
                 queue.put_nowait(None)
                 raise
             await self._record(run, outcome)
@@ -428,7 +433,7 @@ class Ingress:
 
     async def _result(self, request: Request, trace_id: str):
         caller = self._caller(request)
-        found = await self.state.result.remote(trace_id, caller.name)
+        found = await self.state.call("result", trace_id, caller.name)
         if found is None:
             raise Refused(404, "NotFound", f"no trace {trace_id!r} of this token (results are kept "
                           f"{self.config.limits.results_ttl_s:.0f}s)")
@@ -439,7 +444,7 @@ class Ingress:
 
     async def _cancel(self, request: Request, trace_id: str):
         caller = self._caller(request)
-        state = await self.state.cancel.remote(trace_id, caller.name)
+        state = await self.state.call("cancel", trace_id, caller.name)
         if state is None:
             raise Refused(404, "NotFound", f"no trace {trace_id!r} of this token")
         return JSONResponse({"id": trace_id, "status": state})  # "cancelling", or "finished" already

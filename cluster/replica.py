@@ -46,7 +46,11 @@ class Replica:
         self.index = index
         self.collector = collector
         self.overrides = overrides or {}
-        self.state = state  # a Serve application's state deployment: this replica's gauges go there
+        self.state = None  # a Serve application's shared state: this replica's gauges go there
+        if state is not None:
+            from interlace.cluster.serve_state import SharedState
+
+            self.state = SharedState(state)
         from interlace.cluster.janitor import remove_on_exit
 
         # Node-local and chosen here: the workers of this engine run on this node. One folder per
@@ -126,9 +130,9 @@ class Replica:
         while True:
             try:
                 stats = getattr(self._engine, "interlace_latest_stats", {}).get("scheduler")
-                await self.state.record_replica.remote(replica, self.in_flight,
-                                                       stats.num_waiting_reqs if stats is not None else None,
-                                                       float(stats.kv_cache_usage) if stats is not None else None)
+                await self.state.call("record_replica", replica, self.in_flight,
+                                      stats.num_waiting_reqs if stats is not None else None,
+                                      float(stats.kv_cache_usage) if stats is not None else None)
             except Exception:  # noqa: BLE001 - the state restarting: the next push lands
                 pass
             await asyncio.sleep(every_s)

@@ -9,8 +9,8 @@ Three deployments, bound together by :func:`build_app`:
   replicas and autoscaling from the config;
 - ``InterlaceIngress``: the FastAPI app of :mod:`interlace.cluster.ingress` (auth, limits,
   streaming), sharding each trace over the engine replicas through a deployment handle;
-- ``InterlaceState``: one replica holding what all ingress replicas share (quotas, asynchronous
-  results, the metrics registry).
+- ``InterlaceState``: one replica hosting the actor that holds what all ingress replicas share
+  (quotas, asynchronous results, the metrics registry; :mod:`interlace.cluster.serve_state`).
 
 Three ways to run it, all reading :class:`~interlace.cluster.config.ServeConfig`::
 
@@ -32,11 +32,11 @@ from interlace.cluster.config import ServeConfig
 from interlace.cluster.ingress import Ingress, api
 from interlace.cluster.placement import check_fits_a_node, host_actor_options, replica_bundle
 from interlace.cluster.replica import Replica, compact_outcome
-from interlace.cluster.serve_state import ServeState
+from interlace.cluster.serve_state import StateHost
 
 
-# Serve logs every call at INFO (the state deployment's metrics calls are several per request):
-# warnings only, and no access log; Prometheus metrics say what the traffic was.
+# Serve logs every call at INFO: warnings only, and no access log; Prometheus metrics say what the
+# traffic was.
 _QUIET = {"log_level": "WARNING", "enable_access_log": False}
 
 
@@ -48,7 +48,7 @@ def build_app(args: dict[str, Any] | ServeConfig | str) -> Application:
     cfg = ServeConfig.load(args)
     _check_tokens(cfg)  # a server nobody may call is refused before anything starts
     cluster = cfg.cluster
-    state = serve.deployment(ServeState, name="InterlaceState", num_replicas=1, max_ongoing_requests=100_000,
+    state = serve.deployment(StateHost, name="InterlaceState", num_replicas=1, max_ongoing_requests=100_000,
                              logging_config=_QUIET, ray_actor_options={"num_cpus": 0}).bind(cfg.limits.max_results_kept,
                                                                      cfg.limits.results_ttl_s)
     engine = serve.deployment(ServeEngine, name="InterlaceEngine", **_engine_options(cfg)).bind(

@@ -338,6 +338,22 @@ def test_metrics_move_by_exactly_the_traffic(endpoint, analyst, coder):
     assert len(kv) == 1 and 0 <= kv[0] <= 1  # one engine replica reports its KV-cache use
 
 
+def test_a_killed_state_actor_is_started_again_and_the_endpoint_keeps_serving(endpoint, analyst, llama):
+    import ray
+    from ray import serve
+
+    host = serve.get_deployment_handle("InterlaceState", app_name="interlace")
+    _scrape(endpoint)  # the ingress holds the state actor's handle
+    pid = ray.get(host.actor.remote().result().ping.remote())
+    os.kill(pid, signal.SIGKILL)  # the state actor (quotas, results, metrics), by pid
+    psutil.wait_procs([psutil.Process(pid)], timeout=30)
+    assert_same(script_ops(analyst), script_ops(llama))  # the ingress reached a new state actor
+    assert ray.get(host.actor.remote().result().ping.remote()) != pid
+    after = _scrape(endpoint)  # counted afresh, as by any restarted Prometheus target
+    assert after[("interlace_requests_total", (("route", "/v1/traces"), ("status", "200")))] == 1
+    assert after[("interlace_interventions_total", (("outcome", "ok"),))] == 1
+
+
 def test_a_killed_engine_is_replaced_and_its_trace_delivered_once(endpoint, analyst, llama):
     from ray import serve
 
