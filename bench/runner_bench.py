@@ -77,7 +77,7 @@ def config(args):
         base = ModelConfig(name="llama-1b-shape", source=MODEL_DIR, dtype="bfloat16", max_model_len=1024,
                            engine_args=ENGINE_ARGS)
     update = {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
-    if args.graphs:  # vLLM as users run it: compiled, CUDA graphs (both engines)
+    if getattr(args, "graphs", False):  # vLLM as users run it: compiled, CUDA graphs (both engines)
         update["engine_args"] = {**base.engine_args, "enforce_eager": False}
     return base.model_copy(update=update)
 

@@ -8,7 +8,7 @@ mode, switched on only while interlace code runs), the usual reason a hook stall
 asynchronous scheduling.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
-       [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
+       [--graphs] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
        [--blocking-sync]
 Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
 the machine may drift between runs minutes apart, so compare a case with its own variants.
@@ -352,6 +352,8 @@ def main() -> None:
     parser.add_argument("--ablate", action="append", default=[], choices=sorted(ABLATIONS),
                         help="run each case also with this part of interlace switched off (results are then "
                              "incomplete: a diagnostic of where time goes)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="a compiled engine with CUDA graphs (enforce_eager=False): intervened steps run eager")
     parser.add_argument("--blocking-sync", action="store_true",
                         help="CUDA waits block instead of spinning, so time the engine thread waits for the GPU "
                              "shows as wall time above its CPU time")
