@@ -1,5 +1,6 @@
 """Compiled GPU engines with CUDA graphs (``enforce_eager=False``): steps without interventions
-run vLLM's graphs, steps with them run eager and match transformers (workers/graphs.py).
+run vLLM's graphs, steps with them run eager and match transformers (workers/graphs.py). The
+engine tests are GPU-marked; the choice of eager kernels runs on a CPU too.
 
 The whole fidelity suite also runs on such engines: ``INTERLACE_TEST_ENGINE_ARGS='{"enforce_eager":
 false}' pytest tests/test_interventions.py ...`` on a GPU machine.
@@ -13,7 +14,6 @@ import torch
 import interlace
 from interlace import ops
 
-pytestmark = pytest.mark.gpu
 ATOL = 1e-2  # vLLM's float32 matmuls run in TF32 on GPUs (see test_interventions)
 
 
@@ -30,6 +30,7 @@ def steps(model) -> dict[str, int]:
     return dict(counts)
 
 
+@pytest.mark.gpu
 def test_plain_traces_run_graphs_and_intervened_ones_run_eager_and_exact(compiled, oracles):
     oracle = oracles["tiny-llama"]
     ids = oracle.ids("The capital of France is")
@@ -56,6 +57,7 @@ def test_plain_traces_run_graphs_and_intervened_ones_run_eager_and_exact(compile
         torch.testing.assert_close(out.saves[f"resid{i}"], want, atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.gpu
 def test_a_trace_mixing_plain_and_intervened_invokes_is_exact_for_both(compiled, oracles):
     oracle = oracles["tiny-llama"]
     prompts = ["One two three four", "The capital of France is", "Hello, my name is"]
@@ -67,3 +69,25 @@ def test_a_trace_mixing_plain_and_intervened_invokes_is_exact_for_both(compiled,
     assert tr.result[0].token_ids == oracle.greedy(oracle.ids(prompts[0]), 5)
     assert tr.result[1].token_ids == oracle.greedy(oracle.ids(prompts[1]), 5, hooks=zeroed)
     assert tr.result[2].token_ids == oracle.greedy(oracle.ids(prompts[2]), 5)
+
+
+def test_eager_steps_use_the_kernels_of_an_eager_engine_for_compiled_native_ops():
+    """A compiled engine's custom ops run ``forward_native`` compiled by torch.compile (vLLM's
+    ``CustomOp.maybe_compile``); SiLU-and-mul's is a static function, RMSNorm's a method. Both
+    must be found and pointed at ``forward_cuda`` for eager steps (missing the static one cost an
+    H100 eager step 4.5 of 21 ms)."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from interlace.workers.graphs import eager_kernels
+
+    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE, custom_ops=["none"]))
+    with set_current_vllm_config(config):
+        model = torch.nn.Sequential(SiluAndMul(), RMSNorm(8), torch.nn.Linear(8, 8))
+    for op in model[:2]:  # as maybe_compile leaves them on a GPU
+        op._forward_method = torch.compile(op.forward_native, dynamic=True)
+    assert eager_kernels(model) >= 2
+    assert model[0]._forward_method == model[0].forward_cuda
+    assert model[1]._forward_method == model[1].forward_cuda

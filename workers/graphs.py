@@ -125,7 +125,14 @@ def eager_kernels(model) -> int:
 
 
 def _is_native(module: Any) -> bool:
+    """Whether ``module`` runs its ``forward_native``: bound, a static function (SiLU-and-mul's),
+    or either compiled by ``CustomOp.maybe_compile`` (torch.compile's wrapper, or vLLM's own
+    ``functools.wraps`` wrapper around it)."""
     method = getattr(module, "_forward_method", None)
-    target = getattr(method, "__func__", None) or getattr(getattr(method, "_torchdynamo_orig_callable", None),
-                                                          "__func__", None)
-    return target is type(module).forward_native
+    for _ in range(4):  # unwrap: compiled wrappers, then a bound method
+        inner = (getattr(method, "_torchdynamo_orig_callable", None) or getattr(method, "__wrapped__", None)
+                 or getattr(method, "__func__", None))
+        if inner is None:
+            break
+        method = inner
+    return method is not None and method is type(module).forward_native
