@@ -397,6 +397,7 @@ def main() -> None:
                         help="a request running longer stops the bench with a report of where it was")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop measuring past this many seconds from the start, print what there is, exit 0")
+    parser.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP ingress deployment")
     parser.add_argument("--progress-s", type=float, default=10.0, help="progress line interval within a round")
     args = parser.parse_args()
     args.tp = args.pp = 1
@@ -426,7 +427,7 @@ def main() -> None:
     cluster_cfg = ClusterConfig(model=cfg, replicas=1, resources=resources, max_in_flight=args.clients)
     token = secrets.token_urlsafe(24)  # a fresh ops-role token, for this run only
     os.environ[TOKEN_ENV] = json.dumps({"tokens": [{"name": "bench", "token": token, "role": "ops"}]})
-    serve_cfg = ServeConfig(cluster=cluster_cfg, port=free_port(),
+    serve_cfg = ServeConfig(cluster=cluster_cfg, port=free_port(), ingress_replicas=args.ingress_replicas,
                             limits=LimitsConfig(max_trace_s=3600, max_in_flight_per_token=args.clients))
     device = torch.cuda.get_device_name(0) if gpus else "CPU (both engines on core 0)"
     phases = args.phases.split(",")
