@@ -126,6 +126,8 @@ class TraceResponse(BaseModel):
     tensors: str = ""
     values: dict[str, Any] = Field(default_factory=dict)
     objects: str | None = None
+    tensors_in_events: bool = Field(False, description="A stream's result: the tensors its `invoke` events "
+                                    "carried are not repeated in `tensors`.")
 
 
 class ErrorBody(BaseModel):

@@ -237,7 +237,8 @@ class Ingress:
                 reports.setdefault(r.invoke, []).append(r)
             await on_event("invoke", _invoke_event(indices[j], done, invoke_reports))
 
-    async def finish(self, run: _Run, on_event=None, binary: bool = False) -> tuple[int, bytes, str, dict]:
+    async def finish(self, run: _Run, on_event=None, binary: bool = False,
+                     streamed: set[str] | None = None) -> tuple[int, bytes, str, dict]:
         """Run the trace to its answer: (status, body, content type, metrics outcome); ``binary``: a
         200 answer as one .safetensors file (no base64 or JSON of the tensors: about a tenth of the
         CPU per answer, in the ingress and the client alike)."""
@@ -253,6 +254,9 @@ class Ingress:
                 raise Refused(413, "SavesTooLarge", f"the trace saved {saved} bytes; the limit is "
                               f"{self.config.limits.max_save_bytes}")
             self._count(outcome, run.request, result, saved)
+            if streamed:  # tensors a stream's invoke events carried: once is enough
+                tensors = {key: t for key, t in tensors.items() if key not in streamed}
+                response.tensors_in_events = True
             if binary:
                 return 200, safetensors_body(response, tensors), SAFETENSORS_TYPE, outcome
             response.tensors = tensors_b64(tensors)
@@ -395,13 +399,18 @@ class Ingress:
         replica and the proxy whatever its size: what arrived while the last chunk went out goes
         as one chunk."""
         queue: asyncio.Queue = asyncio.Queue()
+        streamed: set[str] = set()  # wire keys of the tensors the invoke events carried
 
         async def on_event(kind: str, data: dict) -> None:
+            if kind in ("invoke", "restart"):
+                prefix = f"invokes.{data['invoke']}."
+                streamed.difference_update([key for key in streamed if key.startswith(prefix)])
+                streamed.update(prefix + name for name in data.get("saves", ()))
             queue.put_nowait((kind, data))
 
         async def produce() -> None:
             try:
-                status, payload, _, outcome = await self.finish(run, on_event)
+                status, payload, _, outcome = await self.finish(run, on_event, streamed=streamed)
             except Exception as exc:  # noqa: BLE001 - a fault of the server's: the stream ends saying so
                 await self.state.call("release", run.caller.name)
                 body = _error_bytes(500, "InternalError", f"{type(exc).__name__}: {exc}")[1]

@@ -103,6 +103,7 @@ class Remote:
                 response.read()
                 self._raise(response.status_code, _body(response))
             event = None
+            sent: dict[str, Any] = {}  # each invoke's tensors, from its invoke event, by wire key
             for line in response.iter_lines():
                 if line.startswith("event: "):
                     event = line[7:]
@@ -110,12 +111,19 @@ class Remote:
                     data = json.loads(line[6:])
                     if event == "invoke":
                         data["saves"] = load(base64.b64decode(data.pop("tensors"))) if data.get("tensors") else {}
+                        sent.update({f"invokes.{data['invoke']}.{name}": t for name, t in data["saves"].items()})
                         yield {"event": event, **data}
                     elif event == "result":
-                        yield {"event": event, "result": self._decode(trace, TraceResponse.model_validate(data))}
+                        answer = TraceResponse.model_validate(data)
+                        tensors = load(base64.b64decode(answer.tensors)) if answer.tensors else {}
+                        if answer.tensors_in_events:
+                            tensors = sent | tensors
+                        yield {"event": event, "result": self._decode(trace, answer, tensors)}
                     elif event == "error":
                         self._raise(data.pop("status"), data)
                     else:
+                        if event == "restart":  # its invoke event comes again
+                            sent = {k: t for k, t in sent.items() if not k.startswith(f"invokes.{data['invoke']}.")}
                         yield {"event": event, **data}
 
     def encode(self, trace: Trace) -> dict[str, Any]:

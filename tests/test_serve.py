@@ -255,6 +255,16 @@ def test_streaming_delivers_tokens_before_the_trace_completes(coder, llama):
     assert tokens == want.result[0].token_ids
 
 
+def test_a_streams_result_does_not_repeat_the_tensors_its_invoke_events_carried(endpoint):
+    body = {"invokes": [{"prompt": "Once", "ops": [{"op": "save", "point": "layers.1.resid", "tokens": "last"}]}],
+            "max_tokens": 2, "stream": True}
+    text = _post(endpoint, body).text
+    data = {line[7:]: json.loads(following[6:]) for line, following in zip(text.splitlines(), text.splitlines()[1:])
+            if line.startswith("event: ")}
+    assert data["invoke"]["saves"] == ["layers.1.resid"] and data["invoke"]["tensors"]
+    assert data["result"]["tensors_in_events"] is True and data["result"]["tensors"] == ""
+
+
 def test_asynchronous_traces_binary_results_and_cancel(endpoint, llama):
     auth = {"Authorization": f"Bearer {OPS}"}
     body = {"invokes": [{"prompt": "Hello", "ops": [{"op": "save", "point": "layers.1.resid", "tokens": "last"}]}],
