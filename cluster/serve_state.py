@@ -8,11 +8,10 @@ Why an actor behind a deployment rather than the deployment itself: every trace 
 to the state (its quota, then its metrics and the quota freed), and a call through a Serve
 deployment handle costs the caller about 1.4 ms of CPU against 0.33 ms for a plain Ray actor call
 (Ray 2.60, this CPU machine, 16 calls at once). The ingress's CPU is what limits the endpoint at
-64 clients.
-So :class:`StateHost`, the ``InterlaceState`` deployment, only creates the actor (which lives and
-dies with the host's process: Serve's restart of the host restarts it) and hands out its handle;
-callers reach it through :class:`SharedState`. A restarted state starts from zero: counters too,
-which Prometheus expects of a restarted target.
+64 clients. So :class:`StateHost`, the ``InterlaceState`` deployment, only creates the actor
+(which lives and dies with the host's process: Serve's restart of the host restarts it) and hands
+out its handle; callers reach it through :class:`SharedState`. A restarted state starts from zero:
+counters too, which Prometheus expects of a restarted target.
 """
 
 from __future__ import annotations
