@@ -150,15 +150,25 @@ def flat_values(result) -> dict[str, Any]:
     return flat
 
 
-def encode_result(trace_id: str, result, allow_objects: bool) -> tuple[TraceResponse, dict]:
-    """The response for ``result`` (a :class:`interlace.TraceResult`) and its tensors by key."""
+def saved_bytes(result) -> int:
+    """The bytes of a TraceResult's saved tensors."""
+    import torch
+
+    return sum(v.numel() * v.element_size() for v in flat_values(result).values() if isinstance(v, torch.Tensor))
+
+
+def encode_result(trace_id: str, result, allow_objects: bool,
+                  leave_out: frozenset[str] | set[str] = frozenset()) -> tuple[TraceResponse, dict]:
+    """The response for ``result`` (a :class:`interlace.TraceResult`) and its tensors by key, less
+    the tensors under the keys ``leave_out`` (a stream's invoke events carried them)."""
     import cloudpickle
     import torch
 
     tensors, values, objects = {}, {}, {}
     for key, value in flat_values(result).items():
         if isinstance(value, torch.Tensor):
-            tensors[key] = value.detach().cpu().contiguous().clone()  # clone: safetensors refuses shared storage
+            if key not in leave_out:
+                tensors[key] = value.detach().cpu().contiguous().clone()  # clone: safetensors refuses shared storage
         elif _json_able(value):
             values[key] = value
         elif allow_objects:
@@ -170,7 +180,8 @@ def encode_result(trace_id: str, result, allow_objects: bool) -> tuple[TraceResp
         invokes=[InvokeResponse(token_ids=inv.token_ids, text=inv.text, logprobs=inv.logprobs, saves=sorted(inv.saves))
                  for inv in result.invokes],
         shared=sorted(result.shared), values=values,
-        objects=base64.b64encode(cloudpickle.dumps(objects)).decode() if objects else None)
+        objects=base64.b64encode(cloudpickle.dumps(objects)).decode() if objects else None,
+        tensors_in_events=bool(leave_out))
     return response, tensors
 
 

@@ -36,7 +36,7 @@ from interlace.cluster.auth import Caller, Tokens
 from interlace.cluster.config import ServeConfig
 from interlace.cluster.http_api import (
     SAFETENSORS_TYPE, ErrorBody, TraceRequest, TraceResponse, encode_result, parse_request, safetensors_body,
-    tensors_b64,
+    saved_bytes, tensors_b64,
 )
 from interlace.cluster.serve_state import SharedState
 
@@ -248,15 +248,13 @@ class Ingress:
         try:
             result, timing = await asyncio.wait_for(self.run(run, on_event), self.config.limits.max_trace_s)
             outcome.update(timing)
-            response, tensors = encode_result(run.trace_id, result, run.caller.may_send_code)
-            saved = sum(t.numel() * t.element_size() for t in tensors.values())
+            saved = saved_bytes(result)  # before any copy of the saves
             if saved > self.config.limits.max_save_bytes:
                 raise Refused(413, "SavesTooLarge", f"the trace saved {saved} bytes; the limit is "
                               f"{self.config.limits.max_save_bytes}")
+            # A stream's invoke events carried their tensors: once is enough.
+            response, tensors = encode_result(run.trace_id, result, run.caller.may_send_code, streamed or frozenset())
             self._count(outcome, run.request, result, saved)
-            if streamed:  # tensors a stream's invoke events carried: once is enough
-                tensors = {key: t for key, t in tensors.items() if key not in streamed}
-                response.tensors_in_events = True
             if binary:
                 return 200, safetensors_body(response, tensors), SAFETENSORS_TYPE, outcome
             response.tensors = tensors_b64(tensors)

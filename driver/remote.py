@@ -114,10 +114,8 @@ class Remote:
                         sent.update({f"invokes.{data['invoke']}.{name}": t for name, t in data["saves"].items()})
                         yield {"event": event, **data}
                     elif event == "result":
-                        answer = TraceResponse.model_validate(data)
-                        tensors = load(base64.b64decode(answer.tensors)) if answer.tensors else {}
-                        if answer.tensors_in_events:
-                            tensors = sent | tensors
+                        answer = TraceResponse.model_validate(data)  # less what the invoke events carried
+                        tensors = sent | (load(base64.b64decode(answer.tensors)) if answer.tensors else {})
                         yield {"event": event, "result": self._decode(trace, answer, tensors)}
                     elif event == "error":
                         self._raise(data.pop("status"), data)
