@@ -2,7 +2,8 @@
 
 Llama-3.2-1B-shaped model with random bf16 weights (no download), N prompts x IN tokens, OUT
 generated tokens each, greedy, eager mode, or with ``--graphs`` both engines compiled with CUDA graphs
-(interlace then runs the steps that intervene eagerly, workers/graphs.py). Cases:
+(interlace then declares the ops cases' points as graph taps, whose ops run inside the graphs,
+workers/taps.py, and runs the steps of programs eagerly, workers/graphs.py). Cases:
 
     none             the interlace engine, requests without interventions
     ops-save4        declarative: save the last token's residual at 4 layers, every step
@@ -95,14 +96,24 @@ def plain_engine(cfg):
     return LLM(**kwargs)
 
 
+def case_layers(layers: int) -> tuple[list[int], int]:
+    """The layers the cases save (3, 7, 11, 15 on 16 layers) and the one they steer."""
+    return [layers * (i + 1) // 4 - 1 for i in range(4)], layers // 2
+
+
+def graph_taps(layers: int) -> list[str]:
+    """The points the ops cases use, declared as graph taps on a compiled interlace engine."""
+    save_layers, steer_layer = case_layers(layers)
+    return [f"layers.{layer}.resid" for layer in sorted({*save_layers, steer_layer})]
+
+
 def interlace_cases(hidden: int, layers: int):
     import torch
 
     import interlace
     from interlace import ops
 
-    save_layers = [layers * (i + 1) // 4 - 1 for i in range(4)]  # 3, 7, 11, 15 on 16 layers
-    steer_layer = layers // 2
+    save_layers, steer_layer = case_layers(layers)
     vector = torch.randn(hidden, dtype=torch.bfloat16) * 0.01
 
     @interlace.batched
@@ -194,7 +205,7 @@ def main() -> None:
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1,prog-save4,prog-steer1,prog-steer1-each")
     parser.add_argument("--kv-clear", action="store_true", help="time clearing intervened requests' KV blocks only")
     parser.add_argument("--graphs", action="store_true", help="both engines compiled with CUDA graphs (enforce_eager=False; "
-                        "interlace runs intervened steps eager)")
+                        "interlace declares the ops cases' points as graph taps, and runs steps with programs eager)")
     args = parser.parse_args()
     if args.kv_clear:
         return kv_clear_cost(args)
@@ -205,8 +216,9 @@ def main() -> None:
         make_model_dir(MODEL_DIR)
     cfg = config(args)
     plain = plain_engine(cfg)
-    model = interlace.Model(cfg)
     hf = plain.llm_engine.model_config.hf_config
+    # Compiled: the ops cases' points are graph taps, so their ops run in the CUDA graphs (taps.py)
+    model = interlace.Model(cfg.model_copy(update={"graph_taps": graph_taps(hf.num_hidden_layers) if args.graphs else []}))
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
     run_plain(plain, data, args.out)  # warm-ups at full size: kernels compile per batch shape

@@ -12,6 +12,7 @@ models, so a setting means the same thing everywhere.
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 EMBEDDED_PREFIX = "embedded:"
+_GRAPH_TAP = re.compile(r"(model\.)?(layers|h|blocks)\.\d+\.resid")  # as workers/points.py names decoder layers
 
 
 class ModelConfig(BaseModel):
@@ -42,6 +44,11 @@ class ModelConfig(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Further vLLM engine arguments, passed through as is."
     )
+    graph_taps: list[str] = Field(
+        default_factory=list,
+        description="Decoder layers' residual streams (e.g. 'layers.3.resid') whose declarative ops run "
+        "inside a compiled engine's CUDA graphs; ops elsewhere, and programs, run their steps eager.",
+    )
 
     @model_validator(mode="after")
     def _check_source(self) -> "ModelConfig":
@@ -54,6 +61,14 @@ class ModelConfig(BaseModel):
                     f"source {self.source!r}: no embedded model {name!r}; "
                     f"choose one of {[EMBEDDED_PREFIX + n for n in sorted(TINY_MODELS)]}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_graph_taps(self) -> "ModelConfig":
+        for spec in self.graph_taps:
+            if not _GRAPH_TAP.fullmatch(spec):
+                raise ValueError(f"graph_taps entry {spec!r}: a tap is a decoder layer's residual stream, "
+                                 "e.g. 'layers.3.resid'")
         return self
 
     @classmethod

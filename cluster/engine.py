@@ -28,6 +28,7 @@ from typing import Any
 
 from interlace import settings
 from interlace.cluster.config import ModelConfig
+from interlace.workers.plugin import TAPS_KEY
 
 WORKER_EXTENSION = "interlace.workers.extension.InterlaceWorkerExtension"
 SCHEDULER = "interlace.workers.scheduler.make_scheduler"  # a trace's invokes share a step
@@ -62,6 +63,8 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
         kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
         if cfg.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
+    if cfg.graph_taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
+        kwargs["additional_config"] = {TAPS_KEY: list(cfg.graph_taps)}
     kwargs.update(cfg.engine_args)
     kwargs.update(overrides)
     refuse_graph_settings(kwargs)

@@ -39,6 +39,15 @@ class InterlaceWorkerExtension:
         intervened) since start-up; None on an eager engine."""
         return getattr(self.model_runner._interlace, "graph_steps", None)
 
+    def interlace_taps(self) -> dict | None:
+        """On an engine with graph taps: steps whose ops ran through them, and forwards through
+        each tap (by module name); None without taps."""
+        inter = self.model_runner._interlace
+        if inter.taps is None:
+            return None
+        ran = inter.taps.ran.tolist()
+        return {"steps": inter.tap_steps, "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
+
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,
         e.g. a block that defers its all-reduce); False where the module runs on another stage."""

@@ -49,7 +49,7 @@ class GraphSwitch:
         self.eager = False  # this step must run the nn.Module forward
         self.entered = False  # and it did
         self.seen = ""  # what the step ran instead, for the error when it did not
-        self.steps = {"graph": 0, "eager": 0}
+        self.steps = {"graph": 0, "taps": 0, "eager": 0}  # taps: graphs that ran ops (taps.py)
         if manager is not None:
             original = manager.dispatch
 
@@ -64,10 +64,10 @@ class GraphSwitch:
 
             manager.dispatch = dispatch
 
-    def begin(self, eager: bool) -> None:
-        """Before the runner's step: whether it must run eager."""
+    def begin(self, eager: bool, taps: bool = False) -> None:
+        """Before the runner's step: whether it must run eager, or runs ops in graph taps."""
         self.eager, self.entered, self.seen = eager, False, "no call of the model's forward"
-        self.steps["eager" if eager else "graph"] += 1
+        self.steps["eager" if eager else "taps" if taps else "graph"] += 1
 
     def enter_forward(self) -> bool:
         """In the model's forward pre-hook of an eager step: skip the compiled code; True when this

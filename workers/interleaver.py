@@ -64,6 +64,7 @@ class InvokeState:
     saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
     error: dict | None = None
+    tapped: list[dict] | None = None  # ops that run through graph taps (taps.py): they all do; None: hooks
 
     def fail(self, record: dict) -> None:
         if self.error is None:
@@ -161,6 +162,7 @@ class Step:
     ops: dict[tuple[str, str], list[tuple[Point, StepOp]]]  # by hook (see hooks.hook_of): ops to apply there, in order
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
+    tapped: list[tuple[Point, StepOp]] = field(default_factory=list)  # saves that ran in graph taps
     _rows: dict[bytes, Rows] = field(default_factory=dict)  # shared by the steps of an epoch
 
     def rows_at(self, rows: np.ndarray, device) -> Rows:
@@ -196,6 +198,9 @@ class Interleaver:
         self.slots = SlotTable()
         self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
         self.graph_steps: dict[str, int] | None = None  # a compiled engine's steps by kind (graphs.py)
+        self.taps = getattr(model, "_interlace_taps", None)  # graph taps built in at load (taps.py)
+        self.tap_step = False  # set before each step: this step's ops run through taps
+        self.tap_steps = 0
         self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
@@ -258,6 +263,29 @@ class Interleaver:
                 self.slots.ops_expected[state.slot] |= applied_bit(index)  # checked when it finishes
         # plans in an order that keeps every invoke's own (a plan's saves belong to one trace)
         self.op_plans.add(state, state.ops, prepare=lambda op: _op_on_device(op, self.device), here=here)
+        if self.taps is not None and state.program is None and state.error is None:
+            self._tap(state, here)
+
+    def _tap(self, state: InvokeState, here) -> None:
+        """Run the invoke's ops through graph taps if it can (taps.Taps.can_run), holding a vector
+        row for each of its adds and replaces."""
+        if not self.taps.can_run(state.ops, here):
+            return
+        held = []
+        for op in state.ops:
+            if "_point" in op and here(op["_point"]):
+                if not self.taps.hold(op):
+                    for other in held:
+                        self.taps.let_go(other)
+                    return
+                held.append(op)
+        state.tapped = held
+
+    def runs_on_taps(self, req_ids) -> bool:
+        """Whether a step of these requests runs its ops through taps (every intervened one can)."""
+        invokes = self.invokes
+        return self.taps is not None and all(
+            invokes[r].tapped is not None or invokes[r].error is not None for r in req_ids if r in invokes)
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
@@ -265,6 +293,8 @@ class Interleaver:
             self._last = None
         for state in finished:
             self.hooks.release(owner=state.req_id)
+            for op in state.tapped or ():
+                self.taps.let_go(op)
         if finished and self.op_plans:
             self.op_plans.drop({id(state) for state in finished})
             self._fail_unapplied_ops(finished)
@@ -354,6 +384,11 @@ class Interleaver:
         if self._epoch_rows[0] != scheduled.epoch:
             self._epoch_rows = (scheduled.epoch, {})
         self.step = Step(layout, [], ops, _rows=self._epoch_rows[1])
+        if self.tap_step:  # every op runs inside the forward, from the taps' buffers: no hook applies one
+            self.taps.fill(ops)
+            self.step.ops = {}
+            self.step.tapped = [entry for at_hook in ops.values() for entry in at_hook if entry[1].op["op"] == "save"]
+            self.tap_steps += 1
         carry_in, self.carry_in = self.carry_in, {}
         mail = carry_in.pop(MAILBOX, None)  # sent on earlier stages: a receiver may wait for it here
         if mail is not None:
@@ -473,6 +508,8 @@ class Interleaver:
         step = self.step
         if step is None:
             return {}
+        for point, step_op in step.tapped:
+            self._take_tapped(step, point, step_op)
         if self.agree_max is not None and step.calls:
             self._agree_on_time(step.calls)
         for call, ctx in step.calls:
@@ -558,6 +595,17 @@ class Interleaver:
         except Exception as exc:  # noqa: BLE001
             for inv in step_op.invokes:
                 inv.fail(error_record(exc, where=f"op {op['op']} at {point}"))
+
+    def _take_tapped(self, step: Step, point: Point, step_op: StepOp) -> None:
+        """A save that ran in a tap: its rows, from the tap's buffer (read before the next forward)."""
+        try:
+            rows = step.rows_at(step_op.rows, self.device)
+            value = rows.take(self.taps.saved[self.taps.index[point.module]], 0)
+            self._save_rows(step_op.invokes, step_op.slots, step_op.op.get("name") or step_op.op["point"], value,
+                            step_op.starts, step_op.stops, fresh=not isinstance(rows.index, slice))
+        except Exception as exc:  # noqa: BLE001
+            for inv in step_op.invokes:
+                inv.fail(error_record(exc, where=f"op save at {point}"))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
         split = self.tp.split(point.module, point.kind)

@@ -73,6 +73,8 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         def prepare_inputs(*args, **kwargs):
             batch = original_prepare(*args, **kwargs)
             captured["batch"] = batch
+            if state["in_step"] and inter.tap_step and inter.step is None:  # a graph replay calls no hook:
+                _guard(inter, inter.begin_step, current_layout())  # the taps' buffers are set here
             return batch
 
         runner.prepare_inputs = prepare_inputs
@@ -115,11 +117,15 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         if kv_blocks.held or kv_blocks.preempted_waiting:
             _guard(inter, kv_blocks.update, scheduler_output.scheduled_cached_reqs)
         state["in_step"] = inter.active
+        inter.tap_step = inter.active and bool(_guard(inter, inter.runs_on_taps, scheduler_output.num_scheduled_tokens))
+        if inter.taps is not None and not inter.tap_step:
+            _guard(inter, inter.taps.clear)  # ops of an earlier step must not reach this one's rows
         if intermediate_tensors is not None and inter.active:  # an earlier stage's carry
             inter.carry_in = _guard(inter, lambda: unpack(take_carry(intermediate_tensors.tensors))) or {}
         if switch is not None:  # the same choice on every rank: admission is. A step of no tokens
             # (one that only lets finished requests go) runs no forward at all.
-            switch.begin(eager=inter.active and scheduler_output.total_num_scheduled_tokens > 0)
+            switch.begin(eager=inter.active and not inter.tap_step and scheduler_output.total_num_scheduled_tokens > 0,
+                         taps=inter.tap_step)
         output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
         if switch is not None and switch.missed():
             _fail_all(inter, RuntimeError(f"a step that intervenes ran {switch.seen} instead of an eager forward, "
@@ -219,3 +225,5 @@ def _fail_all(inter: Interleaver, exc: BaseException, where: str) -> None:
     record = error_record(exc, where=where)
     for inv in inter.invokes.values():
         inv.fail(record)
+    if inter.taps is not None:  # a step begun halfway must not run the last one's tapped edits
+        inter.taps.clear()

@@ -1,0 +1,142 @@
+"""Graph taps (workers/taps.py): declarative ops at declared decoder layers' residual streams run
+inside the forward from device buffers, so a compiled engine replays its CUDA graphs for them.
+
+On a CPU the same taps run in the eager forward: every op result here must equal, bit for bit, the
+hook path's on an engine without taps (itself checked against transformers in test_ops_order and
+test_interventions). The compiled-engine tests are GPU-marked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import interlace
+from interlace import ops
+from interlace.cluster.config import ModelConfig
+
+TAPS = ["layers.1.resid", "layers.2.resid"]
+HIDDEN = 128  # tiny-llama's
+
+
+@pytest.fixture(scope="module")
+def tapped():
+    model = interlace.Model("tiny-llama", graph_taps=TAPS)
+    model.engine
+    yield model
+    model.close()
+
+
+def tap_steps(model) -> int:
+    [taps] = model.engine.collective_rpc("interlace_taps")
+    return taps["steps"]
+
+
+def vector(seed: int) -> torch.Tensor:
+    return torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, oplists: list[list[dict]], max_tokens: int = 5, program=None):
+    prompts = ["The quick brown fox", "Hello there, my friend", "One two three"]
+    with model.trace(max_tokens=max_tokens, ignore_eos=True) as tr:
+        for prompt, oplist in zip(prompts, oplists):
+            tr.invoke(prompt, ops=oplist)
+        if program is not None:
+            tr.invoke("A program runs here", program=program)
+    return tr.result
+
+
+def assert_same(got, want) -> None:
+    for a, b in zip(got.invokes, want.invokes, strict=True):
+        assert a.token_ids == b.token_ids
+        assert sorted(a.saves) == sorted(b.saves)
+        for name in a.saves:
+            assert torch.equal(a.saves[name], b.saves[name]), name
+
+
+CASES = {
+    "save last": [[ops.save("layers.1.resid", tokens="last")], [ops.save("layers.2.resid")], []],
+    "add, save after; save elsewhere": [
+        [ops.add("layers.1.resid", vector(1)), ops.save("layers.1.resid", name="after"), ops.save("layers.2.resid")],
+        [ops.save("layers.1.resid", name="before"), ops.add("layers.1.resid", vector(2), tokens="last")],
+        [],
+    ],
+    "scale, replace, zero on positions and steps": [
+        [ops.save("layers.2.resid", name="before"), ops.scale("layers.2.resid", 0.5, tokens="last")],
+        [ops.replace("layers.1.resid", vector(3), tokens=[2, 3]), ops.save("layers.1.resid")],
+        [ops.zero("layers.2.resid", steps=[1, 2]), ops.save("layers.2.resid", steps=[0, 2])],
+    ],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ops_at_taps_run_in_the_taps_and_equal_the_hook_path_bit_for_bit(tapped, llama, case):
+    before = tap_steps(tapped)
+    got = run(tapped, CASES[case])
+    assert tap_steps(tapped) >= before + 5  # every step of the trace ran its ops in the taps
+    assert_same(got, run(llama, CASES[case]))
+
+
+def test_a_steering_tap_changes_tokens_as_transformers_does(tapped, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("The capital of France is")
+    steer = vector(4) * 2
+    out = tapped.generate(ids, ops=[ops.add("layers.1.resid", steer)], max_tokens=6, ignore_eos=True)
+    want = oracle.greedy(ids, 6, hooks={oracle.layers[1]: lambda h: h + steer})
+    assert out.token_ids == want != oracle.greedy(ids, 6)
+
+
+def test_steps_with_a_program_or_ops_taps_cannot_run_use_hooks_and_stay_exact(tapped, llama):
+    def keep(m):
+        m.save("resid1", m.layers[1].resid)
+
+    two_edits = [ops.add("layers.1.resid", vector(5)), ops.add("layers.1.resid", vector(6)), ops.save("layers.2.resid")]
+    untapped = [ops.zero("layers.3.mlp.output", tokens="last")]
+    for oplists, program in (([[ops.add("layers.1.resid", vector(7))]], keep), ([two_edits], None), ([untapped], None)):
+        before = tap_steps(tapped)
+        got = run(tapped, oplists, program=program)
+        assert tap_steps(tapped) == before  # ran with hooks
+        assert_same(got, run(llama, oplists, program=program))
+
+
+def test_a_trace_after_a_tapped_one_gets_none_of_its_edits(tapped, llama):
+    run(tapped, [[ops.replace("layers.1.resid", vector(8))], [ops.scale("layers.2.resid", 0.0)]])
+    assert_same(run(tapped, [[], []]), run(llama, [[], []]))
+    saved = run(tapped, [[ops.save("layers.1.resid")]])  # saves only: the stream as it is
+    assert_same(saved, run(llama, [[ops.save("layers.1.resid")]]))
+
+
+def test_graph_taps_name_decoder_layers_residual_streams():
+    with pytest.raises(ValueError, match="a tap is a decoder layer's residual stream"):
+        ModelConfig.model_validate({**ModelConfig.load("tiny-llama").model_dump(), "graph_taps": ["layers.1.mlp.output"]})
+
+
+@pytest.fixture(scope="module")
+def compiled_tapped():
+    model = interlace.Model("tiny-llama", enforce_eager=False, graph_taps=TAPS)
+    model.engine
+    yield model
+    model.close()
+
+
+@pytest.mark.gpu
+def test_a_compiled_engine_runs_ops_at_taps_inside_its_graphs_exactly(compiled_tapped, oracles):
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids("The capital of France is")
+    steer = vector(9) * 2
+    [before] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
+    [taps_before] = compiled_tapped.engine.collective_rpc("interlace_taps")
+    out = compiled_tapped.generate(ids, ops=[ops.save("layers.1.resid", name="before"), ops.add("layers.1.resid", steer),
+                                             ops.save("layers.2.resid", name="after")], max_tokens=6, ignore_eos=True)
+    [after] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
+    [taps_after] = compiled_tapped.engine.collective_rpc("interlace_taps")
+    assert after["eager"] == before["eager"] and after["taps"] >= before["taps"] + 6
+    assert taps_after["ran"]["model.layers.1"] >= taps_before["ran"]["model.layers.1"] + 6  # the op ran in the forward
+    hooks = {oracle.layers[1]: lambda h: h + steer}
+    assert out.token_ids == oracle.greedy(ids, 6, hooks=hooks) != oracle.greedy(ids, 6)
+    seq = ids + out.token_ids[:-1]
+    ATOL = 1e-2  # TF32 matmuls on GPUs (see test_graphs)
+    torch.testing.assert_close(out.saves["before"], oracle.run(seq)["resid"][1], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(out.saves["after"], oracle.run(seq, hooks)["resid"][2], atol=ATOL, rtol=ATOL)
+    plain = compiled_tapped.generate(ids, max_tokens=6, ignore_eos=True).token_ids  # nothing left in the buffers
+    assert plain == oracle.greedy(ids, 6)

@@ -1,0 +1,239 @@
+"""Graph taps: declarative ops at declared points, run inside a compiled engine's CUDA graphs.
+
+Hooks never run in a captured CUDA graph or a compiled forward, so on a compiled engine a step
+whose ops act at ordinary points runs eager (graphs.py). A *tap* is a decoder layer's ``resid``
+point declared in the engine config (``ModelConfig.graph_taps``): vLLM builds it into the model
+before it compiles it (:func:`install`, called at model load by the plugin in plugin.py). Each
+tapped layer ends in one custom op, ``interlace::tap``, which torch.compile traces into the graph
+like any other op and CUDA graphs capture with it. The op takes what to do from persistent device
+buffers that the host fills before each step, so one captured graph serves every step:
+
+    for each row r of the step's flat batch, with stream s = hidden + residual:
+        edited[r] == 0      the row is left as it is (every row of a step without ops)
+        sets[r]             s' = vectors[row[r]]                   (replace; zero: row 0)
+        otherwise           s' = s * mul[r] + vectors[row[r]]      (add: mul 1; scale: row 0)
+        saved[r]            s' if after[r] else s                  (a save after, or before, the edit)
+
+An edited row gets hidden = s' and residual = 0, which is what the hook path writes (see
+points.PointAccess.write), and every formula above rounds as the hook path's ops do, so both paths
+give the same numbers. A step runs its ops through taps only when every intervened request in it
+can be tapped (:meth:`Taps.can_run`): no program, every op of the request's local stage at a
+declared point, at most one editing op per tapped point (saves before or after it), and a vector
+(for add and replace) of the hidden size. Every other step runs eager with hooks, as on an engine
+without taps, and is counted as such.
+
+The op is a ``torch.library`` custom op that reads buffers by tap number from this process's
+:class:`Taps`, the way vLLM's attention ops find their layer by name: passing the buffers as
+arguments would make torch.compile functionalize their writes (a copy of every buffer per step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+_TAPS: "Taps | None" = None  # this process's taps (one model per vLLM worker process)
+_EDITED, _MUL, _ROW, _SETS, _AFTER = range(5)  # the columns of a tap's control rows
+EDITING = ("add", "scale", "replace", "zero")
+
+
+@torch.library.custom_op("interlace::tap", mutates_args=())
+def tap(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tapped decoder layer's (hidden, residual), with the step's ops applied (see the module)."""
+    return _TAPS.run(hidden, residual, index)
+
+
+@tap.register_fake
+def _(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(hidden), torch.empty_like(residual)
+
+
+class Taps:
+    """The tapped layers of one model and the device buffers their ops read."""
+
+    def __init__(self, layers: list[str], hidden_size: int, max_tokens: int, max_vectors: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.index = {name: i for i, name in enumerate(layers)}  # module name -> tap number
+        self.max_tokens = max_tokens
+        shape = (max_tokens, len(layers), 5)  # rows first: a step copies only its own rows
+        self.control = torch.zeros(shape, dtype=torch.float32, device=device)
+        self._host = torch.zeros(shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+        self._clear = np.zeros(shape[1:], dtype=np.float32)
+        self._clear[:, _MUL] = 1.0
+        self._host.numpy()[:] = self._clear
+        self.control.copy_(self._host)
+        self.vectors = torch.zeros(max_vectors, hidden_size, dtype=dtype, device=device)  # row 0: zeros
+        self.saved = torch.zeros(len(layers), max_tokens, hidden_size, dtype=dtype, device=device)
+        self.ran = torch.zeros(len(layers), dtype=torch.int64, device=device)  # forwards through each tap
+        self.hidden_size = hidden_size
+        self._dirty = 0  # rows of self.control that may hold a step's settings
+        self._to_clear = 0  # rows of the host copy that hold them (cleared once copied)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._vector_rows: dict[str, list[int]] = {}  # op key -> [row, holders]
+        self._free_rows = list(range(max_vectors - 1, 0, -1))
+
+    # --- in the forward (captured once per graph; the buffers decide each replay) ----------------
+
+    def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        if n > self.max_tokens:  # no step has more rows than the scheduler's budget; no op selects these
+            return hidden.clone(), residual.clone()
+        control = self.control[:n, index]
+        stream = hidden + residual
+        vector = self.vectors.index_select(0, control[:, _ROW].long())
+        edit = torch.where(control[:, _SETS, None] != 0, vector,
+                           (stream * control[:, _MUL, None] + vector).to(stream.dtype))
+        keep = control[:, _EDITED, None] == 0
+        after = torch.where(keep, stream, edit)
+        self.saved[index, :n].copy_(torch.where(control[:, _AFTER, None] != 0, after, stream))
+        self.ran[index] += 1
+        return torch.where(keep, hidden, edit), torch.where(keep, residual, torch.zeros_like(residual))
+
+    # --- on the host, per request ---------------------------------------------------------------
+
+    def can_run(self, ops: list[dict], here) -> bool:
+        """Whether an invoke with no program and these ops (each with its resolved ``_point``;
+        ``here(point)``: on this rank's stage) can run its ops through taps."""
+        edits: dict[str, int] = {}
+        saves_after: dict[str, set] = {}
+        for op in ops:
+            point = op.get("_point")
+            if point is None or not here(point):
+                continue
+            if point.kind != "resid" or point.module not in self.index:
+                return False
+            if op["op"] in EDITING:
+                if point.module in edits or not self._fits(op):
+                    return False
+                edits[point.module] = 1
+            else:
+                saves_after.setdefault(point.module, set()).add(point.module in edits)
+        # a tap saves a row from one place: before the row's edit or after it, not both
+        return all(len(places) == 1 for places in saves_after.values())
+
+    def _fits(self, op: dict) -> bool:
+        value = op.get("value")
+        if op["op"] in ("add", "replace"):
+            return isinstance(value, torch.Tensor) and value.numel() in (1, self.hidden_size) and value.dim() <= 1
+        return True
+
+    def hold(self, op: dict) -> bool:
+        """Keep a vector row for an add or replace op while an invoke carrying it lives; False
+        when every row is taken."""
+        if op["op"] not in ("add", "replace"):
+            return True
+        entry = self._vector_rows.get(op["key"])
+        if entry is None:
+            if not self._free_rows:
+                return False
+            entry = self._vector_rows[op["key"]] = [self._free_rows.pop(), 0]
+            value = op["value"].reshape(-1).to(self.vectors.device, self.vectors.dtype)
+            self.vectors[entry[0]].copy_(value.expand(self.hidden_size))
+        entry[1] += 1
+        return True
+
+    def let_go(self, op: dict) -> None:
+        entry = self._vector_rows.get(op["key"]) if op["op"] in ("add", "replace") else None
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._free_rows.append(self._vector_rows.pop(op["key"])[0])
+
+    # --- on the host, per step ------------------------------------------------------------------
+
+    def fill(self, ops_by_hook: dict) -> None:
+        """Set this step's control rows from its ops (the interleaver's per-hook lists of
+        (point, StepOp), each list in its invokes' order) and copy them to the device."""
+        host = self._writable_host()
+        used = 0
+        for (module, _family), at_hook in ops_by_hook.items():
+            index = self.index[module]
+            for _point, step_op in at_hook:
+                rows, op = step_op.rows, step_op.op
+                if len(rows):
+                    used = max(used, int(rows.max()) + 1)
+                kind = op["op"]
+                if kind == "save":  # after its own invoke's edit, if that came first (can_run)
+                    host[rows, index, _AFTER] = host[rows, index, _EDITED]
+                    continue
+                host[rows, index, _EDITED] = 1.0
+                if kind == "scale":
+                    host[rows, index, _MUL] = float(op["value"])
+                elif kind in ("add", "replace"):
+                    host[rows, index, _ROW] = self._vector_rows[op["key"]][0]
+                host[rows, index, _SETS] = 1.0 if kind in ("replace", "zero") else 0.0
+        self._copy(max(self._dirty, used))  # past both, the device rows are clear already
+        self._dirty = self._to_clear = used
+
+    def clear(self) -> None:
+        """Before a step without tapped ops: no row keeps the last one's settings."""
+        if self._dirty:
+            self._writable_host()
+            self._copy(self._dirty)
+            self._dirty = 0
+
+    def _writable_host(self) -> np.ndarray:
+        """The host rows, clear: the last step's rows are cleared once its copy has left them."""
+        host = self._host.numpy()
+        if self._to_clear:
+            if self._copied is not None:
+                self._copied.synchronize()  # long done: a whole step ran since
+            host[: self._to_clear] = self._clear
+            self._to_clear = 0
+        return host
+
+    def _copy(self, rows: int) -> None:
+        if not rows:
+            return
+        self.control[:rows].copy_(self._host[:rows], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
+def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: int) -> Taps:
+    """Tap the decoder layers named by ``specs`` (``"layers.3.resid"``) before vLLM compiles the
+    model: each becomes an instance of a subclass whose forward ends in ``interlace::tap``.
+    Layers another pipeline stage runs are skipped."""
+    global _TAPS
+    from interlace.workers.points import ModuleTree
+
+    tree = ModuleTree(model)
+    layers = []
+    for spec in specs:
+        point = tree.point(spec)
+        if point.kind != "resid" or not tree.is_layer(point.module):
+            raise ValueError(f"graph tap {spec!r}: taps are decoder layers' residual streams, e.g. 'layers.3.resid'")
+        if tree.modules[point.module] is not None and point.module not in layers:
+            layers.append(point.module)
+    first = next(p for p in model.parameters() if p.is_floating_point())
+    hidden_size = model.config.hidden_size if hasattr(model, "config") else _hidden_size(model)
+    taps = Taps(layers, hidden_size, max_tokens, max_vectors, first.dtype, first.device)
+    for name in layers:
+        layer = tree.modules[name]
+        layer.__class__ = _tapped_class(type(layer))
+        layer._interlace_tap = taps.index[name]
+    _TAPS = taps
+    model._interlace_taps = taps
+    return taps
+
+
+_TAPPED: dict[type, type] = {}
+
+
+def _tapped_class(cls: type) -> type:
+    """``cls`` with a forward that ends in the tap op (made once per layer class)."""
+    if cls not in _TAPPED:
+        inner = cls.forward
+
+        def forward(self, *args, **kwargs):
+            hidden, residual = inner(self, *args, **kwargs)
+            return torch.ops.interlace.tap(hidden, residual, self._interlace_tap)
+
+        _TAPPED[cls] = type(f"Tapped{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _TAPPED[cls]
+
+
+def _hidden_size(model: nn.Module) -> int:
+    embed = next(m for name, m in model.named_modules() if name.endswith("embed_tokens"))
+    return embed.embedding_dim
