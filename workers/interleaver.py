@@ -19,6 +19,7 @@ import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
+import logging
 from typing import Any, Callable
 
 import cloudpickle
@@ -41,6 +42,7 @@ from interlace.workers.slots import SlotTable
 from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
+logger = logging.getLogger("interlace")
 _ERROR = operator.attrgetter("error")
 RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see _reserve_ahead)
 
@@ -201,6 +203,7 @@ class Interleaver:
         self.taps = getattr(model, "_interlace_taps", None)  # graph taps built in at load (taps.py)
         self.tap_step = False  # set before each step: this step's ops run through taps
         self.tap_steps = 0
+        self._said_untapped = False
         self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
@@ -270,6 +273,11 @@ class Interleaver:
         """Run the invoke's ops through graph taps if it can (taps.Taps.can_run), holding a vector
         row for each of its adds and replaces."""
         if not self.taps.can_run(state.ops, here):
+            if not self._said_untapped:
+                self._said_untapped = True
+                logger.info("interlace: an invoke's ops cannot all run in this engine's graph taps (an op at a point "
+                            "not in graph_taps, two edits at one tap, or a vector not of the hidden size): the steps "
+                            "it is in run eager (counted as 'eager' in interlace_graph_steps)")
             return
         held = []
         for op in state.ops:

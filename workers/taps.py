@@ -29,6 +29,8 @@ arguments would make torch.compile functionalize their writes (a copy of every b
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 from torch import nn
@@ -67,13 +69,22 @@ class Taps:
         self.saved = torch.zeros(len(layers), max_tokens, hidden_size, dtype=dtype, device=device)
         self.ran = torch.zeros(len(layers), dtype=torch.int64, device=device)  # forwards through each tap
         self.hidden_size = hidden_size
+        self._on_gpu = device.type == "cuda"
         self._dirty = 0  # rows of self.control that may hold a step's settings
         self._to_clear = 0  # rows of the host copy that hold them (cleared once copied)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._filled: list = []  # the StepOps the device rows were set from
         self._vector_rows: dict[str, list[int]] = {}  # op key -> [row, holders]
         self._free_rows = list(range(max_vectors - 1, 0, -1))
 
     # --- in the forward (captured once per graph; the buffers decide each replay) ----------------
+
+    def wanted(self) -> bool:
+        """Whether this forward runs the tap op: always where it is compiled or captured (the graph
+        serves every later step), and in an eager forward only when this step set some rows, so
+        an eager step of a program pays nothing for the taps."""
+        return (torch.compiler.is_compiling() or self._dirty > 0
+                or (self._on_gpu and torch.cuda.is_current_stream_capturing()))
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
@@ -145,6 +156,10 @@ class Taps:
     def fill(self, ops_by_hook: dict) -> None:
         """Set this step's control rows from its ops (the interleaver's per-hook lists of
         (point, StepOp), each list in its invokes' order) and copy them to the device."""
+        step_ops = [step_op for at_hook in ops_by_hook.values() for _point, step_op in at_hook]
+        if self._dirty and len(step_ops) == len(self._filled) and all(map(operator.is_, step_ops, self._filled)):
+            return  # the last step's ops on the same rows (plans keep them for an epoch of decoding)
+        self._filled = step_ops
         host = self._writable_host()
         used = 0
         for (module, _family), at_hook in ops_by_hook.items():
@@ -168,6 +183,7 @@ class Taps:
 
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
+        self._filled = []
         if self._dirty:
             self._writable_host()
             self._copy(self._dirty)
@@ -228,7 +244,9 @@ def _tapped_class(cls: type) -> type:
 
         def forward(self, *args, **kwargs):
             hidden, residual = inner(self, *args, **kwargs)
-            return torch.ops.interlace.tap(hidden, residual, self._interlace_tap)
+            if _TAPS.wanted():
+                return torch.ops.interlace.tap(hidden, residual, self._interlace_tap)
+            return hidden, residual
 
         _TAPPED[cls] = type(f"Tapped{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
     return _TAPPED[cls]
