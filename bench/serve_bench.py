@@ -397,7 +397,7 @@ def main() -> None:
                         help="a request running longer stops the bench with a report of where it was")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop measuring past this many seconds from the start, print what there is, exit 0")
-    parser.add_argument("--ingress-replicas", type=int, default=2,
+    parser.add_argument("--ingress-replicas", type=int, default=4,
                         help="replicas of the HTTP ingress deployment (ServeConfig's default)")
     parser.add_argument("--progress-s", type=float, default=10.0, help="progress line interval within a round")
     args = parser.parse_args()

@@ -254,9 +254,10 @@ class ServeConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address Serve's HTTP proxy listens on ('0.0.0.0' in a pod).")
     port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP port.")
     route_prefix: str = Field("/", description="Where the API is mounted on Serve's proxy.")
-    ingress_replicas: int = Field(2, ge=1, description="Replicas of the HTTP ingress deployment. One ingress "
-                                  "process's CPU limited the endpoint to 0.82x of the cluster handle at 64 clients "
-                                  "on an H100; two gave 0.97x (docs/benchmarks.md).")
+    ingress_replicas: int = Field(4, ge=1, description="Replicas of the HTTP ingress deployment. At 64 clients on "
+                                  "an H100 the ingress processes' CPU bounds the endpoint: one gave 0.82x of the cluster "
+                                  "handle, two 0.97x blocking but 0.84-0.86x streaming, four 0.91-0.95x streaming "
+                                  "(docs/benchmarks.md).")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API tokens and roles.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits.")
 

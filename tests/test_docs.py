@@ -14,8 +14,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Blocks that start engines of their own (their content runs in tests/test_parallel.py).
-STARTS_ANOTHER_ENGINE = ("tensor_parallel_size",)
+# Blocks that start engines of their own (their content runs in tests/test_parallel.py and, for a
+# compiled GPU engine with graph taps, tests/test_taps.py).
+STARTS_ANOTHER_ENGINE = ("tensor_parallel_size", "graph_taps")
 
 
 def _blocks(path: Path) -> list[str]:
