@@ -63,10 +63,10 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
         kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
         if cfg.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
-    if cfg.graph_taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
-        kwargs["additional_config"] = {TAPS_KEY: list(cfg.graph_taps)}
     kwargs.update(cfg.engine_args)
     kwargs.update(overrides)
+    if cfg.graph_taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
+        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), TAPS_KEY: list(cfg.graph_taps)}
     refuse_graph_settings(kwargs)
     return kwargs
 

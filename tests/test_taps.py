@@ -140,3 +140,38 @@ def test_a_compiled_engine_runs_ops_at_taps_inside_its_graphs_exactly(compiled_t
     torch.testing.assert_close(out.saves["after"], oracle.run(seq, hooks)["resid"][2], atol=ATOL, rtol=ATOL)
     plain = compiled_tapped.generate(ids, max_tokens=6, ignore_eos=True).token_ids  # nothing left in the buffers
     assert plain == oracle.greedy(ids, 6)
+
+
+@pytest.mark.slow
+def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
+    """Stage 0 runs layers 0-1, stage 1 layers 2-3. Whether a step runs ops in taps is decided from
+    all of an invoke's ops, on every stage alike: on a GPU a stage replaying a padded graph while
+    the other runs eager would hand the next stage a batch of the wrong size."""
+    staged = interlace.Model("tiny-llama", pipeline_parallel_size=2, graph_taps=["layers.1.resid", "layers.3.resid"])
+    try:
+        def per_rank() -> list[int]:
+            return [taps["steps"] for taps in staged.engine.collective_rpc("interlace_taps")]
+
+        tapped_only = [[ops.add("layers.1.resid", vector(10)), ops.save("layers.3.resid")]]
+        before = per_rank()
+        got = run(staged, tapped_only)
+        after = per_rank()
+        assert len(after) == 2 and all(a >= b + 5 for a, b in zip(after, before))
+        assert_same(got, run(llama, tapped_only))
+
+        # an op at a point no tap serves, on stage 0, holds stage 1's steps eager too
+        mixed = [[ops.zero("layers.0.mlp.output", tokens="last"), ops.save("layers.3.resid")]]
+        got = run(staged, mixed)
+        assert per_rank() == after
+        assert_same(got, run(llama, mixed))
+    finally:
+        staged.close()
+
+
+def test_graph_taps_reach_the_engine_beside_the_users_own_additional_config():
+    from interlace.cluster.engine import engine_args
+    from interlace.workers.plugin import TAPS_KEY
+
+    cfg = ModelConfig.load("tiny-llama").model_copy(update={"graph_taps": TAPS})
+    kwargs = engine_args(cfg, additional_config={"mine": 1})
+    assert kwargs["additional_config"] == {"mine": 1, TAPS_KEY: TAPS}

@@ -266,13 +266,15 @@ class Interleaver:
                 self.slots.ops_expected[state.slot] |= applied_bit(index)  # checked when it finishes
         # plans in an order that keeps every invoke's own (a plan's saves belong to one trace)
         self.op_plans.add(state, state.ops, prepare=lambda op: _op_on_device(op, self.device), here=here)
-        if self.taps is not None and state.program is None and state.error is None:
-            self._tap(state, here)
+        if self.taps is not None and state.error is not None:
+            state.tapped = []  # failed alike on every rank: it never holds a step eager
+        elif self.taps is not None and state.program is None:
+            self._tap(state)
 
-    def _tap(self, state: InvokeState, here) -> None:
+    def _tap(self, state: InvokeState) -> None:
         """Run the invoke's ops through graph taps if it can (taps.Taps.can_run), holding a vector
-        row for each of its adds and replaces."""
-        if not self.taps.can_run(state.ops, here):
+        row for each of its adds and replaces, every stage's (so every rank decides alike)."""
+        if not self.taps.can_run(state.ops):
             if not self._said_untapped:
                 self._said_untapped = True
                 logger.info("interlace: an invoke's ops cannot all run in this engine's graph taps (an op at a point "
@@ -281,7 +283,7 @@ class Interleaver:
             return
         held = []
         for op in state.ops:
-            if "_point" in op and here(op["_point"]):
+            if "_point" in op:
                 if not self.taps.hold(op):
                     for other in held:
                         self.taps.let_go(other)
@@ -290,10 +292,11 @@ class Interleaver:
         state.tapped = held
 
     def runs_on_taps(self, req_ids) -> bool:
-        """Whether a step of these requests runs its ops through taps (every intervened one can)."""
+        """Whether a step of these requests runs its ops through taps (every intervened one can).
+        Decided from admission alone, never from errors met since (some happen on one rank only),
+        so every rank and stage takes the same path."""
         invokes = self.invokes
-        return self.taps is not None and all(
-            invokes[r].tapped is not None or invokes[r].error is not None for r in req_ids if r in invokes)
+        return self.taps is not None and all(invokes[r].tapped is not None for r in req_ids if r in invokes)
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]

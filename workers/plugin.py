@@ -29,12 +29,12 @@ def register() -> None:
     def load_model(self, vllm_config, model_config, *args, **kwargs):
         model = original(self, vllm_config, model_config, *args, **kwargs)
         specs = (getattr(vllm_config, "additional_config", None) or {}).get(TAPS_KEY)
-        if specs:
+        if specs and model_config is vllm_config.model_config:  # the served model, not a drafter
             from interlace.workers.taps import install
 
             scheduler = vllm_config.scheduler_config
             install(model, list(specs), max_tokens=scheduler.max_num_batched_tokens,
-                    max_vectors=2 * scheduler.max_num_seqs + 1)
+                    max_vectors=2 * scheduler.max_num_seqs + 1, dtype=model_config.dtype)
         return model
 
     load_model._interlace = True

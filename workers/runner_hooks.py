@@ -124,8 +124,8 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             inter.carry_in = _guard(inter, lambda: unpack(take_carry(intermediate_tensors.tensors))) or {}
         if switch is not None:  # the same choice on every rank: admission is. A step of no tokens
             # (one that only lets finished requests go) runs no forward at all.
-            switch.begin(eager=inter.active and not inter.tap_step and scheduler_output.total_num_scheduled_tokens > 0,
-                         taps=inter.tap_step)
+            runs = scheduler_output.total_num_scheduled_tokens > 0
+            switch.begin(eager=inter.active and not inter.tap_step and runs, taps=inter.tap_step and runs)
         output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
         if switch is not None and switch.missed():
             _fail_all(inter, RuntimeError(f"a step that intervenes ran {switch.seen} instead of an eager forward, "

@@ -54,9 +54,10 @@ def _(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.T
 class Taps:
     """The tapped layers of one model and the device buffers their ops read."""
 
-    def __init__(self, layers: list[str], hidden_size: int, max_tokens: int, max_vectors: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.index = {name: i for i, name in enumerate(layers)}  # module name -> tap number
+    def __init__(self, layers: list[str], declared: set[str], hidden_size: int, max_tokens: int,
+                 max_vectors: int, dtype: torch.dtype, device: torch.device):
+        self.index = {name: i for i, name in enumerate(layers)}  # this stage's tapped modules -> tap number
+        self.declared = declared  # every stage's: each stage decides alike from the same ops
         self.max_tokens = max_tokens
         shape = (max_tokens, len(layers), 5)  # rows first: a step copies only its own rows
         self.control = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -103,16 +104,15 @@ class Taps:
 
     # --- on the host, per request ---------------------------------------------------------------
 
-    def can_run(self, ops: list[dict], here) -> bool:
-        """Whether an invoke with no program and these ops (each with its resolved ``_point``;
-        ``here(point)``: on this rank's stage) can run its ops through taps."""
+    def can_run(self, ops: list[dict]) -> bool:
+        """Whether an invoke with no program and these ops (each with its resolved ``_point``)
+        can run its ops through taps. Every op counts, whichever stage runs it, so every pipeline
+        stage and TP rank takes the same decision (their forwards must agree on graph or eager)."""
         edits: dict[str, int] = {}
         saves_after: dict[str, set] = {}
         for op in ops:
             point = op.get("_point")
-            if point is None or not here(point):
-                continue
-            if point.kind != "resid" or point.module not in self.index:
+            if point is None or point.kind != "resid" or point.module not in self.declared:
                 return False
             if op["op"] in EDITING:
                 if point.module in edits or not self._fits(op):
@@ -159,15 +159,15 @@ class Taps:
         step_ops = [step_op for at_hook in ops_by_hook.values() for _point, step_op in at_hook]
         if self._dirty and len(step_ops) == len(self._filled) and all(map(operator.is_, step_ops, self._filled)):
             return  # the last step's ops on the same rows (plans keep them for an epoch of decoding)
-        self._filled = step_ops
+        used = max((int(step_op.rows.max()) + 1 for step_op in step_ops if len(step_op.rows)), default=0)
         host = self._writable_host()
-        used = 0
+        # From here a failure leaves nothing behind: clear() clears and copies every row written.
+        copy, self._to_clear, self._dirty = max(self._dirty, used), used, max(self._dirty, used)
+        self._filled = []
         for (module, _family), at_hook in ops_by_hook.items():
             index = self.index[module]
             for _point, step_op in at_hook:
                 rows, op = step_op.rows, step_op.op
-                if len(rows):
-                    used = max(used, int(rows.max()) + 1)
                 kind = op["op"]
                 if kind == "save":  # after its own invoke's edit, if that came first (can_run)
                     host[rows, index, _AFTER] = host[rows, index, _EDITED]
@@ -178,8 +178,8 @@ class Taps:
                 elif kind in ("add", "replace"):
                     host[rows, index, _ROW] = self._vector_rows[op["key"]][0]
                 host[rows, index, _SETS] = 1.0 if kind in ("replace", "zero") else 0.0
-        self._copy(max(self._dirty, used))  # past both, the device rows are clear already
-        self._dirty = self._to_clear = used
+        self._copy(copy)  # past the last step's rows and this one's, the device rows are clear already
+        self._dirty, self._filled = used, step_ops
 
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
@@ -190,11 +190,12 @@ class Taps:
             self._dirty = 0
 
     def _writable_host(self) -> np.ndarray:
-        """The host rows, clear: the last step's rows are cleared once its copy has left them."""
+        """The host rows, clear, once the last copy from them has run (a clear() copy may still be
+        queued behind a forward: writing before it ran would hand this step's rows to that one)."""
         host = self._host.numpy()
+        if self._copied is not None:
+            self._copied.synchronize()  # long done: a whole step ran since
         if self._to_clear:
-            if self._copied is not None:
-                self._copied.synchronize()  # long done: a whole step ran since
             host[: self._to_clear] = self._clear
             self._to_clear = 0
         return host
@@ -207,7 +208,7 @@ class Taps:
             self._copied.record()
 
 
-def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: int) -> Taps:
+def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: int, dtype: torch.dtype) -> Taps:
     """Tap the decoder layers named by ``specs`` (``"layers.3.resid"``) before vLLM compiles the
     model: each becomes an instance of a subclass whose forward ends in ``interlace::tap``.
     Layers another pipeline stage runs are skipped."""
@@ -215,16 +216,17 @@ def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: in
     from interlace.workers.points import ModuleTree
 
     tree = ModuleTree(model)
-    layers = []
+    declared = []
     for spec in specs:
         point = tree.point(spec)
         if point.kind != "resid" or not tree.is_layer(point.module):
             raise ValueError(f"graph tap {spec!r}: taps are decoder layers' residual streams, e.g. 'layers.3.resid'")
-        if tree.modules[point.module] is not None and point.module not in layers:
-            layers.append(point.module)
-    first = next(p for p in model.parameters() if p.is_floating_point())
+        if point.module not in declared:
+            declared.append(point.module)
+    layers = [name for name in declared if tree.modules[name] is not None]  # this pipeline stage's
+    device = next(p for p in model.parameters() if p.is_floating_point()).device
     hidden_size = model.config.hidden_size if hasattr(model, "config") else _hidden_size(model)
-    taps = Taps(layers, hidden_size, max_tokens, max_vectors, first.dtype, first.device)
+    taps = Taps(layers, set(declared), hidden_size, max_tokens, max_vectors, dtype, device)
     for name in layers:
         layer = tree.modules[name]
         layer.__class__ = _tapped_class(type(layer))
@@ -243,7 +245,11 @@ def _tapped_class(cls: type) -> type:
         inner = cls.forward
 
         def forward(self, *args, **kwargs):
-            hidden, residual = inner(self, *args, **kwargs)
+            out = inner(self, *args, **kwargs)
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"graph taps need decoder layers that return (hidden, residual); {cls.__name__} "
+                                "returns something else: leave graph_taps out for this model")
+            hidden, residual = out
             if _TAPS.wanted():
                 return torch.ops.interlace.tap(hidden, residual, self._interlace_tap)
             return hidden, residual
