@@ -362,6 +362,13 @@ class Cluster:
 
         return ray.get([s.actor.info.remote() for s in self._replicas])
 
+    def step_counts(self) -> list[list[dict]]:
+        """Each replica's ranks' step counters: how many steps replayed CUDA graphs, ran ops in
+        graph taps, or ran eager (see the guide's graph taps)."""
+        import ray
+
+        return ray.get([s.actor.step_counts.remote() for s in self._replicas])
+
     def _call(self, coroutine, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 

@@ -211,3 +211,27 @@ def test_graph_taps_reach_the_engine_beside_the_users_own_additional_config():
     cfg = ModelConfig.load("tiny-llama").model_copy(update={"graph_taps": TAPS})
     kwargs = engine_args(cfg, additional_config={"mine": 1})
     assert kwargs["additional_config"] == {"mine": 1, TAPS_KEY: TAPS}
+
+
+def test_a_cluster_replica_runs_ops_in_its_graph_taps_equal_to_one_engine(llama):
+    """Taps travel with the model config: a Ray replica's engine (its processes load vLLM's plugins
+    themselves) runs the ops in them, with results equal to one engine's hooks."""
+    import ray
+
+    from interlace.cluster.config import ClusterConfig
+
+    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=300 << 20)
+    try:
+        model = ModelConfig.load("tiny-llama").model_copy(update={"graph_taps": TAPS})
+        cluster = interlace.Cluster(ClusterConfig(model=model, replicas=1, cpu_cores=[[0]]))
+        try:
+            case = CASES["add, save after; save elsewhere"]
+            got = run(cluster, case)
+            [[rank]] = cluster.step_counts()
+            assert rank["taps"]["steps"] >= 5 and rank["graph_steps"] is None  # an eager CPU engine
+            assert_same(got, run(llama, case))
+        finally:
+            cluster.close()
+    finally:
+        ray.shutdown()
