@@ -24,6 +24,7 @@ import os
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 from interlace import settings
@@ -66,9 +67,26 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
     kwargs.update(cfg.engine_args)
     kwargs.update(overrides)
     if cfg.graph_taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
+        _check_graph_taps(cfg.graph_taps, kwargs["model"])
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), TAPS_KEY: list(cfg.graph_taps)}
     refuse_graph_settings(kwargs)
     return kwargs
+
+
+def _check_graph_taps(taps: list[str], checkpoint: str) -> None:
+    """Refuse a tap past the model's last layer here: in the engine's worker the same error only
+    reaches the user as vLLM's "Engine core initialization failed"."""
+    import json
+    import re
+
+    try:
+        layers = json.loads((Path(checkpoint) / "config.json").read_text())["num_hidden_layers"]
+    except (OSError, KeyError, ValueError):
+        return  # no Hugging Face config to read: the worker checks
+    for spec in taps:
+        index = int(re.search(r"\.(\d+)\.resid$", spec).group(1))
+        if index >= layers:
+            raise ValueError(f"graph_taps entry {spec!r}: the model has {layers} decoder layers (0-{layers - 1})")
 
 
 # Values of vLLM's compilation settings that leave the model as it is (eager PyTorch).

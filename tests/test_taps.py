@@ -235,3 +235,19 @@ def test_a_cluster_replica_runs_ops_in_its_graph_taps_equal_to_one_engine(llama)
             cluster.close()
     finally:
         ray.shutdown()
+
+
+def test_a_tap_past_the_last_layer_is_refused_before_an_engine_starts():
+    cfg = ModelConfig.load("tiny-llama").model_copy(update={"graph_taps": ["layers.9.resid"]})
+    with pytest.raises(ValueError, match=r"'layers.9.resid': the model has 4 decoder layers \(0-3\)"):
+        interlace.Model(cfg).engine
+
+
+def test_a_non_finite_write_in_a_tap_fails_nothing_else_and_reaches_no_later_trace(tapped, llama):
+    poison = torch.full((HIDDEN,), float("nan"))
+    bad = run(tapped, [[ops.replace("layers.1.resid", poison)], [ops.save("layers.2.resid")]])
+    want = run(llama, [[], [ops.save("layers.2.resid")]])
+    assert bad[1].token_ids == want[1].token_ids  # the neighbour in the same steps
+    assert torch.equal(bad[1].saves["layers.2.resid"], want[1].saves["layers.2.resid"])
+    later = [[], [ops.save("layers.1.resid")], [ops.add("layers.2.resid", vector(13))]]
+    assert_same(run(tapped, later), run(llama, later))
