@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import interlace
+from conftest import ENGINE_OVERRIDES
 from test_interventions import *  # noqa: F403 - the runner's fidelity tests, collected again here
 from test_interventions import ATOL, PROMPT
 from test_waits import *  # noqa: F403 - writes after waits, collected again here
@@ -39,8 +40,9 @@ def layout(request):
 
 def _parallel(name: str, layout):
     tp, pp = layout
-    model = interlace.Model(name, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                            distributed_executor_backend=EXECUTOR)
+    # INTERLACE_TEST_ENGINE_ARGS (conftest.py) applies here too: e.g. compiled GPU engines with taps.
+    model = interlace.Model(name, **{**ENGINE_OVERRIDES, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                                     "distributed_executor_backend": EXECUTOR})
     model.engine
     return model
 
