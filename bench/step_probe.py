@@ -8,7 +8,7 @@ mode, switched on only while interlace code runs), the usual reason a hook stall
 asynchronous scheduling.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
-       [--graphs] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
+       [--graphs] [--taps] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
        [--blocking-sync]
 Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
 the machine may drift between runs minutes apart, so compare a case with its own variants.
@@ -353,7 +353,10 @@ def main() -> None:
                         help="run each case also with this part of interlace switched off (results are then "
                              "incomplete: a diagnostic of where time goes)")
     parser.add_argument("--graphs", action="store_true",
-                        help="a compiled engine with CUDA graphs (enforce_eager=False): intervened steps run eager")
+                        help="a compiled engine with CUDA graphs (enforce_eager=False) whose ops cases' points are graph "
+                             "taps: steps with programs run eager")
+    parser.add_argument("--taps", action="store_true",
+                        help="the ops cases' points are graph taps (implied by --graphs; on a CPU, taps run in the eager forward)")
     parser.add_argument("--blocking-sync", action="store_true",
                         help="CUDA waits block instead of spinning, so time the engine thread waits for the GPU "
                              "shows as wall time above its CPU time")
@@ -362,12 +365,17 @@ def main() -> None:
         _blocking_cuda_sync()
 
     import interlace
-    from runner_bench import MODEL_DIR, config, interlace_cases, make_model_dir, prompts, run_interlace
+    from runner_bench import MODEL_DIR, config, graph_taps, interlace_cases, make_model_dir, prompts, run_interlace
 
     if not args.tiny:
         make_model_dir(MODEL_DIR)
     args.tp, args.pp = 1, 1
-    model = interlace.Model(config(args))
+    cfg = config(args)
+    if args.graphs or args.taps:  # as runner_bench --graphs: the ops cases' points are graph taps (taps.py)
+        from transformers import AutoConfig
+
+        cfg = cfg.model_copy(update={"graph_taps": graph_taps(AutoConfig.from_pretrained(cfg.checkpoint_path()).num_hidden_layers)})
+    model = interlace.Model(cfg)
     hf = model.engine.llm_engine.model_config.hf_config
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))

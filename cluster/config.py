@@ -21,7 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 EMBEDDED_PREFIX = "embedded:"
-_GRAPH_TAP = re.compile(r"(model\.)?(layers|h|blocks)\.\d+\.resid")  # as workers/points.py names decoder layers
+# as workers/points.py names decoder layers: a layer's resid, or the output of one of its children
+_GRAPH_TAP = re.compile(r"(model\.)?(layers|h|blocks)\.\d+\.(resid|[A-Za-z_]\w*\.output)")
 
 
 class ModelConfig(BaseModel):
@@ -46,8 +47,9 @@ class ModelConfig(BaseModel):
     )
     graph_taps: list[str] = Field(
         default_factory=list,
-        description="Decoder layers' residual streams (e.g. 'layers.3.resid') whose declarative ops run "
-        "inside a compiled engine's CUDA graphs; ops elsewhere, and programs, run their steps eager.",
+        description="Points whose declarative ops run inside a compiled engine's CUDA graphs: decoder layers' "
+        "residual streams ('layers.3.resid') and their attention or MLP outputs ('layers.3.mlp.output'); ops "
+        "elsewhere, and programs, run their steps eager.",
     )
 
     @model_validator(mode="after")
@@ -67,8 +69,8 @@ class ModelConfig(BaseModel):
     def _check_graph_taps(self) -> "ModelConfig":
         for spec in self.graph_taps:
             if not _GRAPH_TAP.fullmatch(spec):
-                raise ValueError(f"graph_taps entry {spec!r}: a tap is a decoder layer's residual stream, "
-                                 "e.g. 'layers.3.resid'")
+                raise ValueError(f"graph_taps entry {spec!r}: a tap is a decoder layer's residual stream "
+                                 "('layers.3.resid') or the output of its mlp or attention ('layers.3.mlp.output')")
         return self
 
     @classmethod

@@ -84,7 +84,7 @@ def _check_graph_taps(taps: list[str], checkpoint: str) -> None:
     except (OSError, KeyError, ValueError):
         return  # no Hugging Face config to read: the worker checks
     for spec in taps:
-        index = int(re.search(r"\.(\d+)\.resid$", spec).group(1))
+        index = int(re.search(r"(?:layers|h|blocks)\.(\d+)\.", spec).group(1))
         if index >= layers:
             raise ValueError(f"graph_taps entry {spec!r}: the model has {layers} decoder layers (0-{layers - 1})")
 

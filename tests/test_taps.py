@@ -1,5 +1,6 @@
-"""Graph taps (workers/taps.py): declarative ops at declared decoder layers' residual streams run
-inside the forward from device buffers, so a compiled engine replays its CUDA graphs for them.
+"""Graph taps (workers/taps.py): declarative ops at declared points (decoder layers' residual
+streams, attention and MLP outputs) run inside the forward from device buffers, so a compiled engine
+replays its CUDA graphs for them.
 
 On a CPU the same taps run in the eager forward: every op result here must equal, bit for bit, the
 hook path's on an engine without taps (itself checked against transformers in test_ops_order and
@@ -15,7 +16,7 @@ import interlace
 from interlace import ops
 from interlace.cluster.config import ModelConfig
 
-TAPS = ["layers.1.resid", "layers.2.resid"]
+TAPS = ["layers.1.resid", "layers.2.resid", "layers.1.mlp.output", "layers.2.self_attn.output"]
 HIDDEN = 128  # tiny-llama's
 
 
@@ -66,6 +67,14 @@ CASES = {
         [ops.replace("layers.1.resid", vector(3), tokens=[2, 3]), ops.save("layers.1.resid")],
         [ops.zero("layers.2.resid", steps=[1, 2]), ops.save("layers.2.resid", steps=[0, 2])],
     ],
+    "attention and MLP outputs, beside resid": [
+        [ops.add("layers.1.mlp.output", vector(14)), ops.save("layers.1.mlp.output", name="after"),
+         ops.save("layers.1.resid")],
+        [ops.save("layers.2.self_attn.output", name="before"), ops.scale("layers.2.self_attn.output", 0.5, tokens="last"),
+         ops.add("layers.1.resid", vector(15), tokens="last")],
+        [ops.replace("layers.1.mlp.output", vector(16), tokens=[1]), ops.zero("layers.2.self_attn.output", steps=[1]),
+         ops.save("layers.2.resid")],
+    ],
 }
 
 
@@ -106,9 +115,22 @@ def test_a_trace_after_a_tapped_one_gets_none_of_its_edits(tapped, llama):
     assert_same(saved, run(llama, [[ops.save("layers.1.resid")]]))
 
 
-def test_graph_taps_name_decoder_layers_residual_streams():
-    with pytest.raises(ValueError, match="a tap is a decoder layer's residual stream"):
-        ModelConfig.model_validate({**ModelConfig.load("tiny-llama").model_dump(), "graph_taps": ["layers.1.mlp.output"]})
+def test_graph_taps_name_residual_streams_or_attention_and_mlp_outputs():
+    base = ModelConfig.load("tiny-llama").model_dump()
+    for spec in ("layers.1.mlp.down_proj.output", "layers.1.mlp.input", "layers.1.output", "lm_head.output"):
+        with pytest.raises(ValueError, match="a tap is a decoder layer's residual stream .* or the output of its mlp"):
+            ModelConfig.model_validate({**base, "graph_taps": [spec]})
+    assert ModelConfig.model_validate({**base, "graph_taps": TAPS}).graph_taps == TAPS
+
+
+def test_a_tap_at_an_output_that_is_not_an_attention_or_mlp_block_is_refused(capfd):
+    """Only blocks that end in a reduced row-parallel layer (attention, MLP) are whole on every TP
+    rank, whatever the TP size; anything else (here a norm, which also returns a pair inside vLLM's
+    layers) is refused when the model loads, with the reason in the worker's log."""
+    with pytest.raises(RuntimeError):
+        interlace.Model("tiny-llama", graph_taps=["layers.1.input_layernorm.output"]).engine
+    seen = capfd.readouterr()  # the worker's error, in its log
+    assert "graph tap 'layers.1.input_layernorm.output': RMSNorm is not an attention or MLP block" in seen.out + seen.err
 
 
 def test_ops_at_taps_stay_exact_when_prefill_is_chunked(oracles):
@@ -183,12 +205,14 @@ def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
     """Stage 0 runs layers 0-1, stage 1 layers 2-3. Whether a step runs ops in taps is decided from
     all of an invoke's ops, on every stage alike: on a GPU a stage replaying a padded graph while
     the other runs eager would hand the next stage a batch of the wrong size."""
-    staged = interlace.Model("tiny-llama", pipeline_parallel_size=2, graph_taps=["layers.1.resid", "layers.3.resid"])
+    staged = interlace.Model("tiny-llama", pipeline_parallel_size=2,
+                             graph_taps=["layers.1.resid", "layers.3.resid", "layers.2.mlp.output"])
     try:
         def per_rank() -> list[int]:
             return [taps["steps"] for taps in staged.engine.collective_rpc("interlace_taps")]
 
-        tapped_only = [[ops.add("layers.1.resid", vector(10)), ops.save("layers.3.resid")]]
+        tapped_only = [[ops.add("layers.1.resid", vector(10)), ops.save("layers.3.resid")],
+                       [ops.scale("layers.2.mlp.output", 2.0, tokens="last"), ops.save("layers.2.mlp.output")]]
         before = per_rank()
         got = run(staged, tapped_only)
         after = per_rank()
@@ -202,6 +226,31 @@ def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
         assert_same(got, run(llama, mixed))
     finally:
         staged.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_apply_the_same_taps_to_whole_values(llama):
+    """TP=2: residual streams and attention and MLP outputs are whole on every rank (vLLM reduces
+    them), so every rank's taps apply the same edits; equal to one rank's hooks within the rounding
+    of split matmuls, tokens exactly."""
+    from test_interventions import ATOL
+
+    split = interlace.Model("tiny-llama", tensor_parallel_size=2, graph_taps=TAPS)
+    try:
+        def per_rank() -> list[int]:
+            return [taps["steps"] for taps in split.engine.collective_rpc("interlace_taps")]
+
+        case = CASES["attention and MLP outputs, beside resid"]
+        before = per_rank()
+        got = run(split, case)
+        after = per_rank()
+        assert len(after) == 2 and all(a >= b + 5 for a, b in zip(after, before))
+        for a, b in zip(got.invokes, run(llama, case).invokes, strict=True):
+            assert a.token_ids == b.token_ids and sorted(a.saves) == sorted(b.saves)
+            for name in b.saves:
+                torch.testing.assert_close(a.saves[name], b.saves[name], atol=ATOL, rtol=ATOL)
+    finally:
+        split.close()
 
 
 def test_graph_taps_reach_the_engine_beside_the_users_own_additional_config():

@@ -1,28 +1,34 @@
 """Graph taps: declarative ops at declared points, run inside a compiled engine's CUDA graphs.
 
 Hooks never run in a captured CUDA graph or a compiled forward, so on a compiled engine a step
-whose ops act at ordinary points runs eager (graphs.py). A *tap* is a decoder layer's ``resid``
-point declared in the engine config (``ModelConfig.graph_taps``): vLLM builds it into the model
-before it compiles it (:func:`install`, called at model load by the plugin in plugin.py). Each
-tapped layer ends in one custom op, ``interlace::tap``, which torch.compile traces into the graph
-like any other op and CUDA graphs capture with it. The op takes what to do from persistent device
-buffers that the host fills before each step, so one captured graph serves every step:
+whose ops act at ordinary points runs eager (graphs.py). A *tap* is a point declared in the engine
+config (``ModelConfig.graph_taps``) that vLLM builds into the model before it compiles it
+(:func:`install`, called at model load by the plugin in plugin.py):
 
-    for each row r of the step's flat batch, with stream s = hidden + residual:
+    layers.3.resid          a decoder layer's residual stream: the layer's forward ends in the
+                            custom op ``interlace::tap`` on its (hidden, residual)
+    layers.3.mlp.output     the output of a decoder layer's direct child (mlp, self_attn), where
+                            it is whole on every tensor-parallel rank: the child's forward ends in
+                            ``interlace::tap_output``
+
+torch.compile traces these ops into the graph like any other op and CUDA graphs capture them. The
+ops take what to do from persistent device buffers that the host fills before each step, so one
+captured graph serves every step:
+
+    for each row r of the step's flat batch, with s the tapped value (resid: hidden + residual):
         edited[r] == 0      the row is left as it is (every row of a step without ops)
         sets[r]             s' = vectors[row[r]]                   (replace; zero: row 0)
         otherwise           s' = s * mul[r] + vectors[row[r]]      (add: mul 1; scale: row 0)
         saved[r]            s' if after[r] else s                  (a save after, or before, the edit)
 
-An edited row gets hidden = s' and residual = 0, which is what the hook path writes (see
+An edited resid row gets hidden = s' and residual = 0, which is what the hook path writes (see
 points.PointAccess.write), and every formula above rounds as the hook path's ops do, so both paths
 give the same numbers. A step runs its ops through taps only when every intervened request in it
-can be tapped (:meth:`Taps.can_run`): no program, every op of the request's local stage at a
-declared point, at most one editing op per tapped point (saves before or after it), and a vector
-(for add and replace) of the hidden size. Every other step runs eager with hooks, as on an engine
-without taps, and is counted as such.
+can be tapped (:meth:`Taps.can_run`): no program, every op at a declared tap, at most one editing
+op per tap (saves before or after it), and a vector (for add and replace) of the hidden size.
+Every other step runs eager with hooks, as on an engine without taps, and is counted as such.
 
-The op is a ``torch.library`` custom op that reads buffers by tap number from this process's
+The ops are ``torch.library`` custom ops that read buffers by tap number from this process's
 :class:`Taps`, the way vLLM's attention ops find their layer by name: passing the buffers as
 arguments would make torch.compile functionalize their writes (a copy of every buffer per step).
 """
@@ -30,6 +36,7 @@ arguments would make torch.compile functionalize their writes (a copy of every b
 from __future__ import annotations
 
 import operator
+import re
 
 import numpy as np
 import torch
@@ -51,15 +58,26 @@ def _(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.T
     return torch.empty_like(hidden), torch.empty_like(residual)
 
 
+@torch.library.custom_op("interlace::tap_output", mutates_args=())
+def tap_output(value: torch.Tensor, index: int) -> torch.Tensor:
+    """A tapped module's output, with the step's ops applied (see the module)."""
+    return _TAPS.run_output(value, index)
+
+
+@tap_output.register_fake
+def _(value: torch.Tensor, index: int) -> torch.Tensor:
+    return torch.empty_like(value)
+
+
 class Taps:
     """The tapped layers of one model and the device buffers their ops read."""
 
-    def __init__(self, layers: list[str], declared: set[str], hidden_size: int, max_tokens: int,
+    def __init__(self, local: list[str], declared: set[tuple[str, str]], hidden_size: int, max_tokens: int,
                  max_vectors: int, dtype: torch.dtype, device: torch.device):
-        self.index = {name: i for i, name in enumerate(layers)}  # this stage's tapped modules -> tap number
-        self.declared = declared  # every stage's: each stage decides alike from the same ops
+        self.index = {name: i for i, name in enumerate(local)}  # this stage's tapped modules -> tap number
+        self.declared = declared  # every stage's (module, kind): each stage decides alike from the same ops
         self.max_tokens = max_tokens
-        shape = (max_tokens, len(layers), 5)  # rows first: a step copies only its own rows
+        shape = (max_tokens, len(local), 5)  # rows first: a step copies only its own rows
         self.control = torch.zeros(shape, dtype=torch.float32, device=device)
         self._host = torch.zeros(shape, dtype=torch.float32, pin_memory=device.type == "cuda")
         self._clear = np.zeros(shape[1:], dtype=np.float32)
@@ -67,8 +85,8 @@ class Taps:
         self._host.numpy()[:] = self._clear
         self.control.copy_(self._host)
         self.vectors = torch.zeros(max_vectors, hidden_size, dtype=dtype, device=device)  # row 0: zeros
-        self.saved = torch.zeros(len(layers), max_tokens, hidden_size, dtype=dtype, device=device)
-        self.ran = torch.zeros(len(layers), dtype=torch.int64, device=device)  # forwards through each tap
+        self.saved = torch.zeros(len(local), max_tokens, hidden_size, dtype=dtype, device=device)
+        self.ran = torch.zeros(len(local), dtype=torch.int64, device=device)  # forwards through each tap
         self.hidden_size = hidden_size
         self._on_gpu = device.type == "cuda"
         self._dirty = 0  # rows of self.control that may hold a step's settings
@@ -88,11 +106,22 @@ class Taps:
                 or (self._on_gpu and torch.cuda.is_current_stream_capturing()))
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = hidden.shape[0]
-        if n > self.max_tokens:  # no step has more rows than the scheduler's budget; no op selects these
+        if hidden.shape[0] > self.max_tokens:  # no step has more rows than the scheduler's budget; no op selects these
             return hidden.clone(), residual.clone()
+        keep, edit = self._apply(hidden + residual, index)
+        return torch.where(keep, hidden, edit), torch.where(keep, residual, torch.zeros_like(residual))
+
+    def run_output(self, value: torch.Tensor, index: int) -> torch.Tensor:
+        if value.shape[0] > self.max_tokens:
+            return value.clone()
+        keep, edit = self._apply(value, index)
+        return torch.where(keep, value, edit)
+
+    def _apply(self, stream: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which rows of ``stream`` stay as they are, and what the edited ones become; saves each
+        row, before or after its edit, into the tap's buffer."""
+        n = stream.shape[0]
         control = self.control[:n, index]
-        stream = hidden + residual
         vector = self.vectors.index_select(0, control[:, _ROW].long())
         edit = torch.where(control[:, _SETS, None] != 0, vector,
                            (stream * control[:, _MUL, None] + vector).to(stream.dtype))
@@ -100,7 +129,7 @@ class Taps:
         after = torch.where(keep, stream, edit)
         self.saved[index, :n].copy_(torch.where(control[:, _AFTER, None] != 0, after, stream))
         self.ran[index] += 1
-        return torch.where(keep, hidden, edit), torch.where(keep, residual, torch.zeros_like(residual))
+        return keep, edit
 
     # --- on the host, per request ---------------------------------------------------------------
 
@@ -112,7 +141,7 @@ class Taps:
         saves_after: dict[str, set] = {}
         for op in ops:
             point = op.get("_point")
-            if point is None or point.kind != "resid" or point.module not in self.declared:
+            if point is None or (point.module, point.kind) not in self.declared:
                 return False
             if op["op"] in EDITING:
                 if point.module in edits or not self._fits(op):
@@ -209,42 +238,73 @@ class Taps:
 
 
 def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: int, dtype: torch.dtype) -> Taps:
-    """Tap the decoder layers named by ``specs`` (``"layers.3.resid"``) before vLLM compiles the
-    model: each becomes an instance of a subclass whose forward ends in ``interlace::tap``.
-    Layers another pipeline stage runs are skipped."""
+    """Tap the points named by ``specs`` (``"layers.3.resid"``, ``"layers.3.mlp.output"``) before
+    vLLM compiles the model: each tapped module becomes an instance of a subclass whose forward
+    ends in a tap op. Points another pipeline stage runs are declared (every stage decides alike)
+    but not tapped here."""
     global _TAPS
     from interlace.workers.points import ModuleTree
 
     tree = ModuleTree(model)
-    declared = []
-    for spec in specs:
-        point = tree.point(spec)
-        if point.kind != "resid" or not tree.is_layer(point.module):
-            raise ValueError(f"graph tap {spec!r}: taps are decoder layers' residual streams, e.g. 'layers.3.resid'")
-        if point.module not in declared:
-            declared.append(point.module)
-    layers = [name for name in declared if tree.modules[name] is not None]  # this pipeline stage's
-    device = next(p for p in model.parameters() if p.is_floating_point()).device
     hidden_size = model.config.hidden_size if hasattr(model, "config") else _hidden_size(model)
-    taps = Taps(layers, set(declared), hidden_size, max_tokens, max_vectors, dtype, device)
-    for name in layers:
-        layer = tree.modules[name]
-        layer.__class__ = _tapped_class(type(layer))
-        layer._interlace_tap = taps.index[name]
+    declared: list[tuple[str, str]] = []
+    for spec in specs:
+        point = _tap_point(tree, spec)
+        if point not in declared:
+            declared.append(point)
+    local = [(module, kind) for module, kind in declared if tree.modules.get(module) is not None]  # this stage's
+    device = next(p for p in model.parameters() if p.is_floating_point()).device
+    taps = Taps([module for module, _kind in local], set(declared), hidden_size, max_tokens, max_vectors, dtype, device)
+    for module, kind in local:
+        tapped = tree.modules[module]
+        tapped.__class__ = _tapped_class(type(tapped), kind)
+        tapped._interlace_tap = taps.index[module]
     _TAPS = taps
     model._interlace_taps = taps
     return taps
 
 
-_TAPPED: dict[type, type] = {}
+_LAYER_PATH = re.compile(r"(?:model\.)?(?:layers|h|blocks)\.\d+")  # as points.py names decoder layers
+TAP_FORMS = "a decoder layer's residual stream ('layers.3.resid') or the output of its mlp or attention ('layers.3.mlp.output')"
 
 
-def _tapped_class(cls: type) -> type:
-    """``cls`` with a forward that ends in the tap op (made once per layer class)."""
-    if cls not in _TAPPED:
+def _tap_point(tree, spec: str) -> tuple[str, str]:
+    """The (module, kind) a tap spec names; raises for a point that cannot be a tap."""
+    path, _, kind = spec.rpartition(".")
+    layer_path = _LAYER_PATH.match(path)
+    child = path[layer_path.end():] if layer_path else ""
+    if (kind not in ("resid", "output") or layer_path is None or (kind == "resid") != (child == "")
+            or (child and (child[0] != "." or child.count(".") > 1))):
+        raise ValueError(f"graph tap {spec!r}: a tap is {TAP_FORMS}")
+    layer = tree.resolve(layer_path.group(0))
+    if kind == "resid" or tree.modules[layer] is None:  # a layer another pipeline stage runs: it checks
+        return layer + child, kind
+    module = tree.resolve(layer + child)  # raises, with the layer's children, on a typo
+    if not _ends_in_reduction(tree, module):
+        raise ValueError(f"graph tap {spec!r}: {type(tree.modules[module]).__name__} is not an attention or MLP block "
+                         f"(one that ends in a reduced row-parallel layer, so its output is whole on every "
+                         f"tensor-parallel rank); a tap is {TAP_FORMS}")
+    return module, kind
+
+
+def _ends_in_reduction(tree, module: str) -> bool:
+    """Whether ``module`` is a block whose output vLLM all-reduces (attention, MLP): whole on every
+    tensor-parallel rank, whatever the TP size (sharding.py's rule for such blocks)."""
+    prefix = f"{module}."
+    return any(any(c.__name__ == "RowParallelLinear" for c in type(m).__mro__) and getattr(m, "reduce_results", False)
+               for name, m in tree.modules.items()
+               if m is not None and name.startswith(prefix) and "." not in name[len(prefix):])
+
+
+_TAPPED: dict[tuple[type, str], type] = {}
+
+
+def _tapped_class(cls: type, kind: str) -> type:
+    """``cls`` with a forward that ends in the tap op for ``kind`` (made once per class and kind)."""
+    if (cls, kind) not in _TAPPED:
         inner = cls.forward
 
-        def forward(self, *args, **kwargs):
+        def forward_resid(self, *args, **kwargs):
             out = inner(self, *args, **kwargs)
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"graph taps need decoder layers that return (hidden, residual); {cls.__name__} "
@@ -254,8 +314,18 @@ def _tapped_class(cls: type) -> type:
                 return torch.ops.interlace.tap(hidden, residual, self._interlace_tap)
             return hidden, residual
 
-        _TAPPED[cls] = type(f"Tapped{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
-    return _TAPPED[cls]
+        def forward_output(self, *args, **kwargs):
+            out = inner(self, *args, **kwargs)
+            if not (isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[-1] == _TAPS.hidden_size):
+                raise TypeError(f"a graph tap at an output needs a [tokens, hidden] tensor; {cls.__name__} returns "
+                                "something else: tap another point")
+            if _TAPS.wanted():
+                return torch.ops.interlace.tap_output(out, self._interlace_tap)
+            return out
+
+        forward = forward_resid if kind == "resid" else forward_output
+        _TAPPED[cls, kind] = type(f"Tapped{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _TAPPED[cls, kind]
 
 
 def _hidden_size(model: nn.Module) -> int:
