@@ -5,6 +5,7 @@ truncated at the end, and a failed write leaves no batch behind."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -121,6 +122,28 @@ def test_the_data_file_is_reserved_ahead_batches_append_and_close_gives_back_the
     for report, want in zip(back, expected + expected):
         assert all(torch.equal(report["saves"][name], value) for name, value in want.items())
     assert back[0]["saves"]["resid"].data_ptr() != back[3]["saves"]["resid"].data_ptr()
+
+
+def test_reserving_ahead_lets_the_engine_thread_run(tmp_path):
+    """The reporter thread reserves while the engine thread launches steps: mapping 256 MiB takes
+    tens of milliseconds or more, none of which may hold the GIL (mmap.madvise would: the engine
+    thread then waits the whole call)."""
+    sink = DirSink(str(tmp_path))
+    done = threading.Event()
+    reserving = threading.Thread(target=lambda: (sink.reserve("t", 0, 256 << 20), done.set()))
+    gaps, started = [], time.perf_counter()
+    last = started
+    reserving.start()
+    while not done.is_set():  # the engine thread's stand-in: short work, often
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        time.sleep(0.0005)
+    took = time.perf_counter() - started
+    reserving.join()
+    (data,) = (tmp_path / "t").glob("*.data")
+    assert data.stat().st_blocks * 512 >= 256 << 20
+    assert max(gaps) < 0.5 * took, (max(gaps), took)
 
 
 def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
