@@ -34,9 +34,16 @@ HOST_CPUS = 0.01
 
 
 def replica_bundle(cluster: "ClusterConfig") -> dict[str, float]:
-    """The one placement-group bundle of a replica: every rank's resources, summed."""
+    """The one placement-group bundle of a replica: every rank's resources, summed. Refuses ranks
+    of one replica sharing a GPU (``ValueError``): vLLM gives each rank a device of its own, and a
+    rank past the bundle's devices fails only inside the engine's start."""
     ranks = cluster.model.world_size
     res = cluster.resources
+    if ranks > 1 and res.num_gpus != int(res.num_gpus):
+        raise ValueError(
+            f"resources.num_gpus={res.num_gpus:g} per rank with {ranks} ranks per replica (tensor_parallel_size x "
+            "pipeline_parallel_size): vLLM gives every rank a GPU of its own, so the ranks of one replica cannot "
+            "share GPUs; use a whole number of GPUs per rank (fractions suit one-rank replicas sharing a GPU)")
     bundle = {"CPU": res.num_cpus * ranks, "GPU": res.num_gpus * ranks,
               **{name: amount * ranks for name, amount in res.custom.items()}}
     if res.accelerator_type:  # pins the node's kind; one unit of it is enough

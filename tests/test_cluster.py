@@ -23,7 +23,7 @@ from interlace.cluster_client import joined_invokes, plan_shards
 from interlace.trace import Invoke
 
 MAX_IN_FLIGHT = 4
-ATOL = 1e-4
+ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2  # TF32 matmuls and TP's reduction order on GPUs
 
 STEER = torch.linspace(-0.5, 0.5, 128)
 

