@@ -21,8 +21,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 EMBEDDED_PREFIX = "embedded:"
-# as workers/points.py names decoder layers: a layer's resid, or the output of one of its children
-_GRAPH_TAP = re.compile(r"(model\.)?(layers|h|blocks)\.\d+\.(resid|[A-Za-z_]\w*\.output)")
+# A decoder layer's resid, or the output of one of its children (as workers/taps.py reads them).
+_GRAPH_TAP = re.compile(r"(model\.)?layers\.\d+\.(resid|[A-Za-z_]\w*\.output)")
 
 
 class ModelConfig(BaseModel):

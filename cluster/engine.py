@@ -61,16 +61,45 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes or _CPU_KV_CACHE_BYTES
     else:
         kwargs["disable_custom_all_reduce"] = True
-        kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
         if cfg.kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
     kwargs.update(cfg.engine_args)
     kwargs.update(overrides)
+    if settings.device() != "cpu":  # the user's own compilation_config keeps this pass off too
+        kwargs["compilation_config"] = _with_passes_off(kwargs.get("compilation_config"))
     if cfg.graph_taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
+        _refuse_passes_across_taps(kwargs.get("compilation_config"))
         _check_graph_taps(cfg.graph_taps, kwargs["model"])
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), TAPS_KEY: list(cfg.graph_taps)}
     refuse_graph_settings(kwargs)
     return kwargs
+
+
+# vLLM compile passes that move a tensor-parallel all-reduce past the end of the attention or MLP
+# block (into the next norm; sequence parallelism and its GEMM fusions also split the residual
+# stream by token between layers): a graph tap there would see partial sums or one rank's tokens.
+# fuse_allreduce_rms is off on every interlace GPU engine (with it, TP=2 crashed on the lent GPUs).
+_PASSES_OFF = {"fuse_allreduce_rms": False}
+_PASSES_ACROSS_TAPS = ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms")
+
+
+def _with_passes_off(compilation: Any) -> Any:
+    """``compilation_config`` with :data:`_PASSES_OFF` wherever the user did not set them."""
+    if compilation is None:
+        return {"pass_config": dict(_PASSES_OFF)}
+    if isinstance(compilation, dict) and isinstance(compilation.get("pass_config", {}), dict):
+        return {**compilation, "pass_config": {**_PASSES_OFF, **compilation.get("pass_config", {})}}
+    return compilation  # a level or a config object: the user's, as given
+
+
+def _refuse_passes_across_taps(compilation: Any) -> None:
+    passes = compilation.get("pass_config", {}) if isinstance(compilation, dict) else getattr(compilation, "pass_config", None)
+    get = passes.get if isinstance(passes, dict) else lambda name: getattr(passes, name, None)
+    on = [name for name in _PASSES_ACROSS_TAPS if passes is not None and get(name)]
+    if on:
+        raise ValueError(f"compilation_config pass_config {on} with graph_taps: these passes move the "
+                         "tensor-parallel all-reduce past the tapped blocks (or split the residual stream by token), "
+                         "so a tap would act on partial values; leave them off, or graph_taps out")
 
 
 def _check_graph_taps(taps: list[str], checkpoint: str) -> None:
@@ -84,7 +113,7 @@ def _check_graph_taps(taps: list[str], checkpoint: str) -> None:
     except (OSError, KeyError, ValueError):
         return  # no Hugging Face config to read: the worker checks
     for spec in taps:
-        index = int(re.search(r"(?:layers|h|blocks)\.(\d+)\.", spec).group(1))
+        index = int(re.search(r"layers\.(\d+)\.", spec).group(1))
         if index >= layers:
             raise ValueError(f"graph_taps entry {spec!r}: the model has {layers} decoder layers (0-{layers - 1})")
 

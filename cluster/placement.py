@@ -39,11 +39,12 @@ def replica_bundle(cluster: "ClusterConfig") -> dict[str, float]:
     rank past the bundle's devices fails only inside the engine's start."""
     ranks = cluster.model.world_size
     res = cluster.resources
-    if ranks > 1 and res.num_gpus != int(res.num_gpus):
+    if res.num_gpus != int(res.num_gpus) and (ranks > 1 or res.num_gpus > 1):
         raise ValueError(
-            f"resources.num_gpus={res.num_gpus:g} per rank with {ranks} ranks per replica (tensor_parallel_size x "
+            f"resources.num_gpus={res.num_gpus:g} per rank with {ranks} rank(s) per replica (tensor_parallel_size x "
             "pipeline_parallel_size): vLLM gives every rank a GPU of its own, so the ranks of one replica cannot "
-            "share GPUs; use a whole number of GPUs per rank (fractions suit one-rank replicas sharing a GPU)")
+            "share GPUs; use a whole number of GPUs per rank, or a fraction below 1 for one-rank replicas that "
+            "share a GPU")
     bundle = {"CPU": res.num_cpus * ranks, "GPU": res.num_gpus * ranks,
               **{name: amount * ranks for name, amount in res.custom.items()}}
     if res.accelerator_type:  # pins the node's kind; one unit of it is enough

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
+import torch
 
 import interlace
 from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
@@ -43,6 +44,8 @@ LAYOUTS = {"pp2-x2": (1, 2, 2, 1.0), "tp2": (2, 1, 1, 1.0)}  # (TP, PP, replicas
 def ray_cpus():
     import ray
 
+    if 0 < torch.cuda.device_count() < 4:  # Ray hands the logical GPUs out as device numbers
+        pytest.skip("4 logical GPUs on a machine with fewer real ones: replicas would get devices it does not have")
     assert not ray.is_initialized()
     ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=300 << 20)
     yield
@@ -136,7 +139,9 @@ def test_ranks_of_one_replica_sharing_a_gpu_are_refused():
     from interlace.cluster.placement import replica_bundle
 
     staged = ModelConfig.load("tiny-llama").model_copy(update={"pipeline_parallel_size": 2})
-    with pytest.raises(ValueError, match=r"num_gpus=0.5 per rank with 2 ranks .* cannot share GPUs"):
+    with pytest.raises(ValueError, match=r"num_gpus=0.5 per rank with 2 rank\(s\) .* cannot share GPUs"):
         replica_bundle(ClusterConfig(model=staged, resources=ResourcesConfig(num_gpus=0.5)))
+    with pytest.raises(ValueError, match=r"num_gpus=1.5 per rank with 1 rank\(s\)"):
+        replica_bundle(ClusterConfig(model=ModelConfig.load("tiny-llama"), resources=ResourcesConfig(num_gpus=1.5)))
     shared = ClusterConfig(model=ModelConfig.load("tiny-llama"), replicas=2, resources=ResourcesConfig(num_gpus=0.5))
     assert replica_bundle(shared)["GPU"] == 0.5  # one-rank replicas may share a GPU

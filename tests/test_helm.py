@@ -286,6 +286,10 @@ def test_refuses_what_cannot_be_placed(helm, tmp_path):
     values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": "tiny-llama"}}}}))
     out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))
     assert out.returncode != 0 and "write the model's fields inline" in out.stderr, out.stderr
+    halves = {"model": {"tensor_parallel_size": 2}, "resources": {"num_gpus": 0.5}}  # as cluster/placement.py refuses
+    values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": halves}}}))
+    out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))
+    assert out.returncode != 0 and "the ranks of one replica cannot share GPUs" in out.stderr, out.stderr
     values.write_text(yaml.safe_dump({"sweep": {"enabled": True, "config": {"output": "runs/x"},
                                                 "storage": {"pvc": {"create": False}}}}))
     out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))

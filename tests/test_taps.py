@@ -200,6 +200,40 @@ def test_a_compiled_engine_runs_ops_at_taps_inside_its_graphs_exactly(compiled_t
     assert plain == oracle.greedy(ids, 6)
 
 
+def _output_taps_match_transformers(model, oracle, atol: float) -> None:
+    """An add at an MLP's output and a scale at an attention output, run in their taps (every step
+    counted as a tap step), against transformers with the same edits in forward hooks."""
+    ids = oracle.ids("The capital of France is")
+    steer, seen = vector(17) * 2, {}
+
+    def mlp(h):
+        seen["mlp"] = (h + steer)[0]
+        return h + steer
+
+    hooks = {oracle.layers[1].mlp: mlp, oracle.layers[2].self_attn: lambda out: (out[0] * 0.5, *out[1:])}
+    before = tap_steps(model)
+    out = model.generate(ids, ops=[ops.add("layers.1.mlp.output", steer), ops.save("layers.1.mlp.output", name="mlp"),
+                                   ops.scale("layers.2.self_attn.output", 0.5), ops.save("layers.2.resid", name="after")],
+                         max_tokens=6, ignore_eos=True)
+    assert tap_steps(model) >= before + 6
+    assert out.token_ids == oracle.greedy(ids, 6, hooks=hooks) != oracle.greedy(ids, 6)
+    ref = oracle.run(ids + out.token_ids[:-1], hooks)
+    torch.testing.assert_close(out.saves["mlp"], seen["mlp"], atol=atol, rtol=atol)
+    torch.testing.assert_close(out.saves["after"], ref["resid"][2], atol=atol, rtol=atol)
+
+
+def test_ops_at_attention_and_mlp_output_taps_match_transformers(tapped, oracles):
+    _output_taps_match_transformers(tapped, oracles["tiny-llama"], atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_compiled_engine_runs_ops_at_output_taps_inside_its_graphs(compiled_tapped, oracles):
+    [before] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
+    _output_taps_match_transformers(compiled_tapped, oracles["tiny-llama"], atol=1e-2)  # TF32 (see test_graphs)
+    [after] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
+    assert after["eager"] == before["eager"]
+
+
 @pytest.mark.slow
 def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
     """Stage 0 runs layers 0-1, stage 1 layers 2-3. Whether a step runs ops in taps is decided from
@@ -251,6 +285,20 @@ def test_tensor_parallel_ranks_apply_the_same_taps_to_whole_values(llama):
                 torch.testing.assert_close(a.saves[name], b.saves[name], atol=ATOL, rtol=ATOL)
     finally:
         split.close()
+
+
+def test_compile_passes_that_move_the_all_reduce_past_a_tap_are_refused(monkeypatch):
+    from interlace.cluster.engine import engine_args
+
+    monkeypatch.setenv("INTERLACE_DEVICE", "cuda")  # the GPU engine's arguments, built here
+    cfg = ModelConfig.load("tiny-llama").model_copy(update={"graph_taps": TAPS})
+    mine = {"mode": 3, "pass_config": {"enable_qk_norm_rope_fusion": True}}
+    kwargs = engine_args(cfg, compilation_config=mine)  # the user's settings, and the pass kept off
+    assert kwargs["compilation_config"] == {"mode": 3, "pass_config": {"fuse_allreduce_rms": False,
+                                                                      "enable_qk_norm_rope_fusion": True}}
+    for name in ("enable_sp", "fuse_allreduce_rms"):
+        with pytest.raises(ValueError, match=rf"\['{name}'\] with graph_taps"):
+            engine_args(cfg, compilation_config={"pass_config": {name: True}})
 
 
 def test_graph_taps_reach_the_engine_beside_the_users_own_additional_config():

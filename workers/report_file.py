@@ -47,8 +47,11 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+; in Python 3.13's mmap module only
 # madvise through ctypes, which lets go of the GIL for the call: mmap.madvise holds it, and mapping
 # a quarter of a 512 MiB trace's saves takes tens of milliseconds during which the engine thread
 # could not launch a step (the reporter reserves ahead while the trace runs).
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+try:
+    _MADVISE = ctypes.CDLL(None, use_errno=True).madvise
+    _MADVISE.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+except (OSError, TypeError, AttributeError):  # no C library to call (Windows): a write per page
+    _MADVISE = None
 
 TensorSpec = tuple[Sequence[int], torch.dtype]
 
@@ -80,7 +83,8 @@ class DataFile:
         # killing the worker with SIGBUS at a write to a page that cannot be had.
         os.posix_fallocate(self._fd, self.reserved, nbytes - self.reserved)
         # One call maps every page, about 15 % faster than a write per page (older kernels).
-        if _LIBC.madvise(self.bytes.data_ptr() + self.reserved, nbytes - self.reserved, _MADV_POPULATE_WRITE) != 0:
+        start = self.bytes.data_ptr() + self.reserved
+        if _MADVISE is None or _MADVISE(start, nbytes - self.reserved, _MADV_POPULATE_WRITE) != 0:
             self.bytes[self.reserved : nbytes : _PAGE].zero_()  # one write per page maps it
         self.reserved = nbytes
 

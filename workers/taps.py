@@ -264,19 +264,18 @@ def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: in
     return taps
 
 
-_LAYER_PATH = re.compile(r"(?:model\.)?(?:layers|h|blocks)\.\d+")  # as points.py names decoder layers
+# As cluster/config.py checks graph_taps: a layer's resid, or a direct child's output.
+_TAP = re.compile(r"(?P<layer>(?:model\.)?layers\.\d+)(?P<child>\.[A-Za-z_]\w*)?\.(?P<kind>resid|output)")
 TAP_FORMS = "a decoder layer's residual stream ('layers.3.resid') or the output of its mlp or attention ('layers.3.mlp.output')"
 
 
 def _tap_point(tree, spec: str) -> tuple[str, str]:
     """The (module, kind) a tap spec names; raises for a point that cannot be a tap."""
-    path, _, kind = spec.rpartition(".")
-    layer_path = _LAYER_PATH.match(path)
-    child = path[layer_path.end():] if layer_path else ""
-    if (kind not in ("resid", "output") or layer_path is None or (kind == "resid") != (child == "")
-            or (child and (child[0] != "." or child.count(".") > 1))):
+    match = _TAP.fullmatch(spec)
+    if match is None or (match["kind"] == "resid") != (match["child"] is None):
         raise ValueError(f"graph tap {spec!r}: a tap is {TAP_FORMS}")
-    layer = tree.resolve(layer_path.group(0))
+    kind, child = match["kind"], match["child"] or ""
+    layer = tree.resolve(match["layer"])
     if kind == "resid" or tree.modules[layer] is None:  # a layer another pipeline stage runs: it checks
         return layer + child, kind
     module = tree.resolve(layer + child)  # raises, with the layer's children, on a typo

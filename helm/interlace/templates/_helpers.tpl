@@ -128,6 +128,9 @@ Arguments: dict "cluster" "replicas" "gpusPerWorker" "where" (the values path, f
 {{- if le $gpus 0.0 -}}
 {{- fail (printf "%s.cluster.resources.num_gpus is %v: every engine rank needs a GPU on the GPU workers; set num_gpus: 1" .where $gpus) -}}
 {{- end -}}
+{{- if and (ne $gpus (floor $gpus)) (or (gt (mulf $tp $pp) 1.0) (gt $gpus 1.0)) -}}
+{{- fail (printf "%s.cluster.resources.num_gpus is %v with tensor_parallel_size x pipeline_parallel_size = %v: vLLM gives every rank a GPU of its own, so the ranks of one replica cannot share GPUs; use a whole number of GPUs per rank, or a fraction below 1 for one-rank replicas that share a GPU" .where $gpus (mulf $tp $pp)) -}}
+{{- end -}}
 {{- $perPod := .gpusPerWorker | float64 -}}
 {{- $replica := mulf (mulf $tp $pp) $gpus -}}
 {{- if gt $replica $perPod -}}
