@@ -3,7 +3,10 @@ run vLLM's graphs, steps with them run eager and match transformers (workers/gra
 engine tests are GPU-marked; the choice of eager kernels runs on a CPU too.
 
 The whole fidelity suite also runs on such engines: ``INTERLACE_TEST_ENGINE_ARGS='{"enforce_eager":
-false}' pytest tests/test_interventions.py ...`` on a GPU machine.
+false}' pytest tests/test_interventions.py ...`` on a GPU machine, with ``"graph_taps": [...]``
+added for ops in taps, and at TP=2 and PP=2 through tests/test_parallel.py on two GPUs (one layout
+per run, ``-k "tp2 and not tp2xpp2"``: a compiled TP=2 engine's first start took 2 min 40 s on
+two H100s, so give pytest-timeout room).
 """
 
 from __future__ import annotations
