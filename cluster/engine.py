@@ -65,8 +65,9 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
     kwargs.update(cfg.engine_args)
     kwargs.update(overrides)
-    if settings.device() != "cpu":  # the user's own compilation_config keeps this pass off too
-        kwargs["compilation_config"] = _with_passes_off(kwargs.get("compilation_config"))
+    if settings.device() != "cpu":  # also where the user gives a compilation_config of their own
+        off = _PASSES_ACROSS_TAPS if cfg.graph_taps else ("fuse_allreduce_rms",)
+        kwargs["compilation_config"] = _with_passes_off(kwargs.get("compilation_config"), off)
     if cfg.graph_taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
         _refuse_passes_across_taps(kwargs.get("compilation_config"))
         _check_graph_taps(cfg.graph_taps, kwargs["model"])
@@ -78,17 +79,19 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
 # vLLM compile passes that move a tensor-parallel all-reduce past the end of the attention or MLP
 # block (into the next norm; sequence parallelism and its GEMM fusions also split the residual
 # stream by token between layers): a graph tap there would see partial sums or one rank's tokens.
+# vLLM turns the last two on by default for dense models large enough (hidden size 8192 on an H100)
+# at TP > 1, so an engine with taps turns them off unless the user asks for them (refused below).
 # fuse_allreduce_rms is off on every interlace GPU engine (with it, TP=2 crashed on the lent GPUs).
-_PASSES_OFF = {"fuse_allreduce_rms": False}
 _PASSES_ACROSS_TAPS = ("fuse_allreduce_rms", "enable_sp", "fuse_gemm_comms")
 
 
-def _with_passes_off(compilation: Any) -> Any:
-    """``compilation_config`` with :data:`_PASSES_OFF` wherever the user did not set them."""
+def _with_passes_off(compilation: Any, off: tuple[str, ...]) -> Any:
+    """``compilation_config`` with the passes ``off`` switched off wherever the user did not set them."""
+    defaults = dict.fromkeys(off, False)
     if compilation is None:
-        return {"pass_config": dict(_PASSES_OFF)}
+        return {"pass_config": defaults}
     if isinstance(compilation, dict) and isinstance(compilation.get("pass_config", {}), dict):
-        return {**compilation, "pass_config": {**_PASSES_OFF, **compilation.get("pass_config", {})}}
+        return {**compilation, "pass_config": {**defaults, **compilation.get("pass_config", {})}}
     return compilation  # a level or a config object: the user's, as given
 
 

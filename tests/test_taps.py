@@ -293,9 +293,11 @@ def test_compile_passes_that_move_the_all_reduce_past_a_tap_are_refused(monkeypa
     monkeypatch.setenv("INTERLACE_DEVICE", "cuda")  # the GPU engine's arguments, built here
     cfg = ModelConfig.load("tiny-llama").model_copy(update={"graph_taps": TAPS})
     mine = {"mode": 3, "pass_config": {"enable_qk_norm_rope_fusion": True}}
-    kwargs = engine_args(cfg, compilation_config=mine)  # the user's settings, and the pass kept off
-    assert kwargs["compilation_config"] == {"mode": 3, "pass_config": {"fuse_allreduce_rms": False,
-                                                                      "enable_qk_norm_rope_fusion": True}}
+    kwargs = engine_args(cfg, compilation_config=mine)  # the user's settings, and the passes kept off
+    off = {"fuse_allreduce_rms": False, "enable_sp": False, "fuse_gemm_comms": False}  # vLLM's default may be on
+    assert kwargs["compilation_config"] == {"mode": 3, "pass_config": {**off, "enable_qk_norm_rope_fusion": True}}
+    untapped = engine_args(cfg.model_copy(update={"graph_taps": []}))
+    assert untapped["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}  # vLLM's choice
     for name in ("enable_sp", "fuse_allreduce_rms"):
         with pytest.raises(ValueError, match=rf"\['{name}'\] with graph_taps"):
             engine_args(cfg, compilation_config={"pass_config": {name: True}})
