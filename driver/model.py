@@ -99,6 +99,22 @@ class Model:
             self._tree = ModuleTree(names=all_module_names(self.engine.collective_rpc("interlace_module_names")))
         return self._tree
 
+    def step_counts(self) -> list[dict[str, Any]]:
+        """Each rank's step counters, the same as one replica's entry of ``Cluster.step_counts()``:
+        ``graph_steps``, a compiled engine's steps that replayed CUDA graphs, ran ops in graph taps
+        or ran eager (None on an eager engine), and ``taps``, the steps whose ops ran in graph taps
+        and the forwards through each tap (None without taps)::
+
+            >>> model = interlace.Model("tiny-llama", graph_taps=["layers.1.resid"])
+            >>> _ = model.generate("Hello", ops=[interlace.ops.save("layers.1.resid")], max_tokens=2)
+            >>> [rank] = model.step_counts()
+            >>> rank["taps"]["steps"]
+            2
+        """
+        graphs = self.engine.collective_rpc("interlace_graph_steps")
+        taps = self.engine.collective_rpc("interlace_taps")
+        return [{"graph_steps": g, "taps": t} for g, t in zip(graphs, taps)]
+
     def close(self) -> None:
         """Shut the engine down and remove the report folder."""
         if self._engine is not None:

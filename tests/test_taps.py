@@ -29,8 +29,8 @@ def tapped():
 
 
 def tap_steps(model) -> int:
-    [taps] = model.engine.collective_rpc("interlace_taps")
-    return taps["steps"]
+    [rank] = model.step_counts()
+    return rank["taps"]["steps"]
 
 
 def vector(seed: int) -> torch.Tensor:
@@ -182,14 +182,14 @@ def test_a_compiled_engine_runs_ops_at_taps_inside_its_graphs_exactly(compiled_t
     oracle = oracles["tiny-llama"]
     ids = oracle.ids("The capital of France is")
     steer = vector(9) * 2
-    [before] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
-    [taps_before] = compiled_tapped.engine.collective_rpc("interlace_taps")
+    [before] = compiled_tapped.step_counts()
     out = compiled_tapped.generate(ids, ops=[ops.save("layers.1.resid", name="before"), ops.add("layers.1.resid", steer),
                                              ops.save("layers.2.resid", name="after")], max_tokens=6, ignore_eos=True)
-    [after] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
-    [taps_after] = compiled_tapped.engine.collective_rpc("interlace_taps")
-    assert after["eager"] == before["eager"] and after["taps"] >= before["taps"] + 6
-    assert taps_after["ran"]["model.layers.1"] >= taps_before["ran"]["model.layers.1"] + 6  # the op ran in the forward
+    [after] = compiled_tapped.step_counts()
+    graphs_before, graphs_after = before["graph_steps"], after["graph_steps"]
+    assert graphs_after["eager"] == graphs_before["eager"] and graphs_after["taps"] >= graphs_before["taps"] + 6
+    ran_before, ran_after = before["taps"]["ran"], after["taps"]["ran"]
+    assert ran_after["model.layers.1"] >= ran_before["model.layers.1"] + 6  # the op ran in the forward
     hooks = {oracle.layers[1]: lambda h: h + steer}
     assert out.token_ids == oracle.greedy(ids, 6, hooks=hooks) != oracle.greedy(ids, 6)
     seq = ids + out.token_ids[:-1]
@@ -228,10 +228,10 @@ def test_ops_at_attention_and_mlp_output_taps_match_transformers(tapped, oracles
 
 @pytest.mark.gpu
 def test_a_compiled_engine_runs_ops_at_output_taps_inside_its_graphs(compiled_tapped, oracles):
-    [before] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
+    [before] = compiled_tapped.step_counts()
     _output_taps_match_transformers(compiled_tapped, oracles["tiny-llama"], atol=1e-2)  # TF32 (see test_graphs)
-    [after] = compiled_tapped.engine.collective_rpc("interlace_graph_steps")
-    assert after["eager"] == before["eager"]
+    [after] = compiled_tapped.step_counts()
+    assert after["graph_steps"]["eager"] == before["graph_steps"]["eager"]
 
 
 @pytest.mark.slow
@@ -243,7 +243,7 @@ def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
                              graph_taps=["layers.1.resid", "layers.3.resid", "layers.2.mlp.output"])
     try:
         def per_rank() -> list[int]:
-            return [taps["steps"] for taps in staged.engine.collective_rpc("interlace_taps")]
+            return [rank["taps"]["steps"] for rank in staged.step_counts()]
 
         tapped_only = [[ops.add("layers.1.resid", vector(10)), ops.save("layers.3.resid")],
                        [ops.scale("layers.2.mlp.output", 2.0, tokens="last"), ops.save("layers.2.mlp.output")]]
@@ -272,7 +272,7 @@ def test_tensor_parallel_ranks_apply_the_same_taps_to_whole_values(llama):
     split = interlace.Model("tiny-llama", tensor_parallel_size=2, graph_taps=TAPS)
     try:
         def per_rank() -> list[int]:
-            return [taps["steps"] for taps in split.engine.collective_rpc("interlace_taps")]
+            return [rank["taps"]["steps"] for rank in split.step_counts()]
 
         case = CASES["attention and MLP outputs, beside resid"]
         before = per_rank()
