@@ -85,9 +85,7 @@ class Replica:
         """Each rank's step counters: ``graph_steps`` (a compiled engine's graph / taps / eager
         steps, else None) and ``taps`` (steps whose ops ran in graph taps, else None)."""
         engine = await self._engine_up()
-        graphs = await engine.collective_rpc("interlace_graph_steps")
-        taps = await engine.collective_rpc("interlace_taps")
-        return [{"graph_steps": g, "taps": t} for g, t in zip(graphs, taps)]
+        return await engine.collective_rpc("interlace_step_counts")
 
     def engine_pids(self) -> list[int]:
         """The engine's processes (its engine core, its workers, multiprocessing helpers): this

@@ -111,9 +111,7 @@ class Model:
             >>> rank["taps"]["steps"]
             2
         """
-        graphs = self.engine.collective_rpc("interlace_graph_steps")
-        taps = self.engine.collective_rpc("interlace_taps")
-        return [{"graph_steps": g, "taps": t} for g, t in zip(graphs, taps)]
+        return self.engine.collective_rpc("interlace_step_counts")
 
     def close(self) -> None:
         """Shut the engine down and remove the report folder."""

@@ -39,14 +39,16 @@ class InterlaceWorkerExtension:
         intervened) since start-up; None on an eager engine."""
         return getattr(self.model_runner._interlace, "graph_steps", None)
 
-    def interlace_taps(self) -> dict | None:
-        """On an engine with graph taps: steps whose ops ran through them, and forwards through
-        each tap (by module name); None without taps."""
+    def interlace_step_counts(self) -> dict:
+        """This rank's ``graph_steps`` (:meth:`interlace_graph_steps`) and ``taps``: on an engine
+        with graph taps, the steps whose ops ran through them and the forwards through each tap
+        (by module name); None without taps."""
         inter = self.model_runner._interlace
-        if inter.taps is None:
-            return None
-        ran = inter.taps.ran.tolist()
-        return {"steps": inter.tap_steps, "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
+        taps = None
+        if inter.taps is not None:
+            ran = inter.taps.ran.tolist()
+            taps = {"steps": inter.tap_steps, "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
+        return {"graph_steps": self.interlace_graph_steps(), "taps": taps}
 
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,

@@ -195,9 +195,7 @@ class TensorParallelLayout:
         return merged.output_sizes[0] // self.tp_size
 
     def _children(self, parent: str) -> list[nn.Module]:
-        prefix = f"{parent}."
-        return [m for n, m in self.modules.items()
-                if m is not None and n.startswith(prefix) and "." not in n[len(prefix):]]
+        return children(self.modules, parent)
 
     def _known_full(self, module: str, mod: nn.Module) -> bool:
         """Values vLLM has already reduced or never split."""
@@ -209,8 +207,19 @@ class TensorParallelLayout:
         weight = getattr(mod, "weight", None)
         if "Norm" in type(mod).__name__ and isinstance(weight, torch.Tensor) and weight.numel() == self.hidden_size:
             return True  # layer norms over the hidden size (not per-head q/k norms)
-        # a block that ends in a reducing row-parallel layer (self_attn, mlp)
-        return any("RowParallelLinear" in _mro(m) and m.reduce_results for m in self._children(module))
+        return ends_in_reduction(self.modules, module)
+
+
+def ends_in_reduction(modules: dict[str, nn.Module | None], module: str) -> bool:
+    """Whether ``module`` is a block that ends in a reducing row-parallel layer (self_attn, mlp):
+    its output is whole on every rank, whatever the TP size."""
+    return any("RowParallelLinear" in _mro(m) and m.reduce_results for m in children(modules, module))
+
+
+def children(modules: dict[str, nn.Module | None], parent: str) -> list[nn.Module]:
+    """``parent``'s direct children on this rank."""
+    prefix = f"{parent}."
+    return [m for n, m in modules.items() if m is not None and n.startswith(prefix) and "." not in n[len(prefix):]]
 
 
 def _sharded_class(mod: nn.Module) -> bool:

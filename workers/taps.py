@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from interlace.workers.sharding import ends_in_reduction
+
 _TAPS: "Taps | None" = None  # this process's taps (one model per vLLM worker process)
 _EDITED, _MUL, _ROW, _SETS, _AFTER = range(5)  # the columns of a tap's control rows
 EDITING = ("add", "scale", "replace", "zero")
@@ -279,20 +281,11 @@ def _tap_point(tree, spec: str) -> tuple[str, str]:
     if kind == "resid" or tree.modules[layer] is None:  # a layer another pipeline stage runs: it checks
         return layer + child, kind
     module = tree.resolve(layer + child)  # raises, with the layer's children, on a typo
-    if not _ends_in_reduction(tree, module):
+    if not ends_in_reduction(tree.modules, module):
         raise ValueError(f"graph tap {spec!r}: {type(tree.modules[module]).__name__} is not an attention or MLP block "
                          f"(one that ends in a reduced row-parallel layer, so its output is whole on every "
                          f"tensor-parallel rank); a tap is {TAP_FORMS}")
     return module, kind
-
-
-def _ends_in_reduction(tree, module: str) -> bool:
-    """Whether ``module`` is a block whose output vLLM all-reduces (attention, MLP): whole on every
-    tensor-parallel rank, whatever the TP size (sharding.py's rule for such blocks)."""
-    prefix = f"{module}."
-    return any(any(c.__name__ == "RowParallelLinear" for c in type(m).__mro__) and getattr(m, "reduce_results", False)
-               for name, m in tree.modules.items()
-               if m is not None and name.startswith(prefix) and "." not in name[len(prefix):])
 
 
 _TAPPED: dict[tuple[type, str], type] = {}
