@@ -20,7 +20,9 @@ live in one place:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import threading
 import time
 import weakref
@@ -29,7 +31,7 @@ from typing import Any
 
 from interlace import settings
 from interlace.cluster.config import ModelConfig
-from interlace.workers.plugin import TAPS_KEY
+from interlace.workers.plugin import LOAD_ERRORS_ENV, TAPS_KEY
 
 WORKER_EXTENSION = "interlace.workers.extension.InterlaceWorkerExtension"
 SCHEDULER = "interlace.workers.scheduler.make_scheduler"  # a trace's invokes share a step
@@ -106,8 +108,8 @@ def _refuse_passes_across_taps(compilation: Any) -> None:
 
 
 def _check_graph_taps(taps: list[str], checkpoint: str) -> None:
-    """Refuse a tap past the model's last layer here: in the engine's worker the same error only
-    reaches the user as vLLM's "Engine core initialization failed"."""
+    """Refuse a tap past the model's last layer here, before an engine starts (the worker's check
+    comes after minutes of start-up on a large model)."""
     import json
     import re
 
@@ -180,10 +182,41 @@ def start_engine(cfg: ModelConfig, **overrides: Any):
     from vllm import LLM
 
     prepare_environment(cfg)
-    llm = LLM(**engine_args(cfg, **overrides))
+    args = engine_args(cfg, **overrides)
+    with load_refusals_raised():
+        llm = LLM(**args)
     llm.collective_rpc("interlace_install", args=(all_module_names(llm.collective_rpc("interlace_module_names")),))
     _wake_waiters_when_the_engine_dies(llm.llm_engine.engine_core)
     return llm
+
+
+@contextlib.contextmanager
+def load_refusals_raised():
+    """Around an engine's start: where a worker refused interlace's settings while loading the
+    model (a graph tap the model cannot have), raise that reason, not vLLM's bare "Engine core
+    initialization failed. See root cause above." (whose cause is only in the worker's log).
+
+    vLLM passes no error text from a failed engine core back to its caller, so the workers write
+    refusals to a file named in their environment (``workers/plugin.py``), which they inherit
+    from this process. Ranks on other hosts (Ray's executor) do not: there the error stays vLLM's.
+    """
+    fd, path = tempfile.mkstemp(prefix="interlace-load-errors-", suffix=".txt")
+    os.close(fd)
+    before = os.environ.get(LOAD_ERRORS_ENV)
+    os.environ[LOAD_ERRORS_ENV] = path
+    try:
+        yield
+    except Exception as exc:
+        reasons = list(dict.fromkeys(Path(path).read_text(encoding="utf-8").splitlines()))  # one per rank
+        if reasons:
+            raise ValueError("the engine refused its settings: " + "; ".join(reasons)) from exc
+        raise
+    finally:
+        if before is None:
+            os.environ.pop(LOAD_ERRORS_ENV, None)
+        else:
+            os.environ[LOAD_ERRORS_ENV] = before
+        os.unlink(path)
 
 
 def _wake_waiters_when_the_engine_dies(client, poll_s: float = 0.5) -> None:
@@ -227,9 +260,10 @@ async def start_async_engine(cfg: ModelConfig, **overrides: Any):
     # scheduler's small defaults (128 sequences: a 256-invoke trace ran in two waves, 0.55x of Model
     # on an H100).
     latest: dict[str, Any] = {}
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg, **overrides)),
-                                       usage_context=UsageContext.LLM_CLASS,
-                                       stat_loggers=[_stats_keeper(latest)])
+    args = AsyncEngineArgs(**engine_args(cfg, **overrides))
+    with load_refusals_raised():
+        engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS,
+                                           stat_loggers=[_stats_keeper(latest)])
     engine.interlace_latest_stats = latest  # {"scheduler": SchedulerStats}: KV-cache use for metrics
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))

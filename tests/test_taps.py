@@ -9,12 +9,18 @@ test_interventions). The compiled-engine tests are GPU-marked.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
 import interlace
 from interlace import ops
 from interlace.cluster.config import ModelConfig
+from interlace.cluster.engine import start_async_engine
 
 TAPS = ["layers.1.resid", "layers.2.resid", "layers.1.mlp.output", "layers.2.self_attn.output"]
 HIDDEN = 128  # tiny-llama's
@@ -123,14 +129,21 @@ def test_graph_taps_name_residual_streams_or_attention_and_mlp_outputs():
     assert ModelConfig.model_validate({**base, "graph_taps": TAPS}).graph_taps == TAPS
 
 
-def test_a_tap_at_an_output_that_is_not_an_attention_or_mlp_block_is_refused(capfd):
+def test_a_tap_at_an_output_that_is_not_an_attention_or_mlp_block_is_refused():
     """Only blocks that end in a reduced row-parallel layer (attention, MLP) are whole on every TP
     rank, whatever the TP size; anything else (here a norm, which also returns a pair inside vLLM's
-    layers) is refused when the model loads, with the reason in the worker's log."""
-    with pytest.raises(RuntimeError):
+    layers) is refused when the model loads, and the caller gets the worker's reason, not only
+    vLLM's "Engine core initialization failed"."""
+    with pytest.raises(ValueError, match="graph tap 'layers.1.input_layernorm.output': RMSNorm is not an attention "
+                                         "or MLP block") as refused:
         interlace.Model("tiny-llama", graph_taps=["layers.1.input_layernorm.output"]).engine
-    seen = capfd.readouterr()  # the worker's error, in its log
-    assert "graph tap 'layers.1.input_layernorm.output': RMSNorm is not an attention or MLP block" in seen.out + seen.err
+    assert "initialization failed" in str(refused.value.__cause__)  # vLLM's own error, kept as the cause
+    # A typo, on the async engine a cluster replica starts: the reason lists the layer's children.
+    typo = ModelConfig.load("tiny-llama").model_copy(update={"graph_taps": ["layers.1.self_atn.output"]})
+    with pytest.raises(ValueError, match=r"graph tap 'layers.1.self_atn.output'.*children are \[.*'self_attn'"):
+        asyncio.run(start_async_engine(typo))
+    assert "INTERLACE_LOAD_ERRORS" not in os.environ
+    assert not list(Path(tempfile.gettempdir()).glob("interlace-load-errors-*"))  # the file went with the start
 
 
 def test_ops_at_taps_stay_exact_when_prefill_is_chunked(oracles):

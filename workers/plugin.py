@@ -8,13 +8,20 @@ model loader so that a model loaded with ``additional_config={"interlace_taps": 
 loader tapped. Any other engine, plain vLLM included, loads as it always did. vLLM hashes
 ``additional_config`` into its compile cache key, so a tapped engine never loads a plain engine's
 compiled graphs, nor the reverse.
+
+A tap the model cannot have is refused here, inside vLLM's engine start, where vLLM's caller only
+learns "Engine core initialization failed. See root cause above." (the cause goes to the worker's
+log: not to a notebook, nor to a Ray driver's exception). The refusal is also written to the file
+``INTERLACE_LOAD_ERRORS`` names, which the caller (``interlace.cluster.engine``) raises from.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 TAPS_KEY = "interlace_taps"
+LOAD_ERRORS_ENV = "INTERLACE_LOAD_ERRORS"
 
 
 def register() -> None:
@@ -33,9 +40,22 @@ def register() -> None:
             from interlace.workers.taps import install
 
             scheduler = vllm_config.scheduler_config
-            install(model, list(specs), max_tokens=scheduler.max_num_batched_tokens,
-                    max_vectors=2 * scheduler.max_num_seqs + 1, dtype=model_config.dtype)
+            try:
+                install(model, list(specs), max_tokens=scheduler.max_num_batched_tokens,
+                        max_vectors=2 * scheduler.max_num_seqs + 1, dtype=model_config.dtype)
+            except (ValueError, TypeError) as exc:  # a refusal of the taps asked for, not a crash
+                tell_the_caller(exc)
+                raise
         return model
 
     load_model._interlace = True
     BaseModelLoader.load_model = load_model
+
+
+def tell_the_caller(exc: BaseException) -> None:
+    """Append ``exc``'s message to the caller's load-errors file, where it gave one (one line per
+    rank: every tensor-parallel rank refuses the same taps)."""
+    path = os.environ.get(LOAD_ERRORS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(" ".join(str(exc).split()) + "\n")

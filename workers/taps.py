@@ -280,7 +280,10 @@ def _tap_point(tree, spec: str) -> tuple[str, str]:
     layer = tree.resolve(match["layer"])
     if kind == "resid" or tree.modules[layer] is None:  # a layer another pipeline stage runs: it checks
         return layer + child, kind
-    module = tree.resolve(layer + child)  # raises, with the layer's children, on a typo
+    try:
+        module = tree.resolve(layer + child)
+    except AttributeError as exc:  # a typo: the message lists the layer's children
+        raise ValueError(f"graph tap {spec!r}: {exc}") from None
     if not ends_in_reduction(tree.modules, module):
         raise ValueError(f"graph tap {spec!r}: {type(tree.modules[module]).__name__} is not an attention or MLP block "
                          f"(one that ends in a reduced row-parallel layer, so its output is whole on every "
