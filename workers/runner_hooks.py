@@ -16,6 +16,7 @@ points and builds a :class:`BatchLayout` per step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -126,7 +127,8 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             # (one that only lets finished requests go) runs no forward at all.
             runs = scheduler_output.total_num_scheduled_tokens > 0
             switch.begin(eager=inter.active and not inter.tap_step and runs, taps=inter.tap_step and runs)
-        output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
+        with switch.running() if switch is not None else contextlib.nullcontext():
+            output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
         if switch is not None and switch.missed():
             _fail_all(inter, RuntimeError(f"a step that intervenes ran {switch.seen} instead of an eager forward, "
                                           "so interlace's hooks did not run; start the engine with enforce_eager=True"),
