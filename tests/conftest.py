@@ -21,14 +21,19 @@ torch.manual_seed(0)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run where torch sees a GPU (the lent GPU machines); elsewhere they are
-    deselected, and the summary line counts them."""
-    if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if "gpu" in item.keywords]
-    if gpu:
-        items[:] = [item for item in items if "gpu" not in item.keywords]
-        config.hook.pytest_deselected(items=gpu)
+    """Tests marked ``gpu`` run where torch sees a GPU (the lent GPU machines); tests marked
+    ``ranks(n)`` run on a CPU (logical ranks) or where at least n GPUs are visible (each rank
+    takes one). Elsewhere they are deselected, and the summary line counts them."""
+    gpus = torch.cuda.device_count()
+
+    def runs_here(item) -> bool:
+        ranks = item.get_closest_marker("ranks")
+        return ("gpu" not in item.keywords or gpus > 0) and not (ranks and 0 < gpus < ranks.args[0])
+
+    elsewhere = [item for item in items if not runs_here(item)]
+    if elsewhere:
+        items[:] = [item for item in items if runs_here(item)]
+        config.hook.pytest_deselected(items=elsewhere)
 
 
 # Engine settings for every shared engine, e.g. '{"enforce_eager": false}' to run the suite on

@@ -90,7 +90,8 @@ def assert_same(got, want) -> None:
             torch.testing.assert_close(g.saves[name], w.saves[name], atol=ATOL, rtol=ATOL)
     assert got.shared.keys() == want.shared.keys()
     for name in want.shared:
-        torch.testing.assert_close(got.shared[name], want.shared[name], atol=1e-3, rtol=1e-4)
+        # sums over invokes, added in another order than the reference's
+        torch.testing.assert_close(got.shared[name], want.shared[name], atol=max(ATOL, 1e-3), rtol=max(ATOL, 1e-4))
 
 
 def reference(llama, count: int) -> list:

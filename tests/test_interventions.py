@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import interlace
@@ -10,6 +11,10 @@ from interlace import ops
 # float32 on both sides; on CPU kernels differ only in summation order. On GPUs vLLM's float32
 # matmuls run in TF32, which moves activations by up to ~2e-3 against the CPU oracle.
 ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2
+# Two runs of the same batches: bit for bit on CPU. On a compiled TP=2 engine on two H200s the same
+# plain request's logprobs once differed by 9e-5 (tokens equal; 2026-11-26): a write leaking into
+# other rows moves them by far more.
+SAME_BATCH = dict(abs=0.0, rel=0.0) if not torch.cuda.is_available() else dict(abs=1e-3, rel=0.0)
 PROMPT = "The capital of France is"
 
 
@@ -187,7 +192,7 @@ def test_sixteen_invokes_each_see_only_their_rows(llama, oracles):
     untouched = run(None)
     for j in range(16, 18):
         assert mixed[j].token_ids == read_only[j].token_ids == untouched[j].token_ids
-        assert mixed[j].logprobs == read_only[j].logprobs
+        assert mixed[j].logprobs == pytest.approx(read_only[j].logprobs, **SAME_BATCH)
 
 
 def test_batched_program_runs_once_per_step_for_the_group(llama, oracles):

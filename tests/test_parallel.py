@@ -33,7 +33,8 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 EXECUTOR = os.environ.get("INTERLACE_TEST_EXECUTOR", "mp")
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.ranks(tp * pp))
+                                        for name, (tp, pp) in LAYOUTS.items()])
 def layout(request):
     return LAYOUTS[request.param]
 

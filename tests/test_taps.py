@@ -24,6 +24,10 @@ from interlace.cluster.engine import start_async_engine
 
 TAPS = ["layers.1.resid", "layers.2.resid", "layers.1.mlp.output", "layers.2.self_attn.output"]
 HIDDEN = 128  # tiny-llama's
+ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2  # against transformers: GPU float32 matmuls run in TF32
+# Where a failed invoke leaves the batch, its neighbours' later steps run in a smaller batch: bit
+# for bit on CPU, whose kernels are batch-invariant; GPU kernels are not (last digits, 2026-11-26).
+OTHER_BATCH = dict(atol=0.0, rtol=0.0) if not torch.cuda.is_available() else dict(atol=1e-3, rtol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +179,9 @@ def test_ops_at_taps_stay_exact_when_prefill_is_chunked(oracles):
         seq = ids + got.token_ids[:-1]
         ref = oracle.run(seq, hooks)["resid"]
         # the reference captures each layer's output before the hooks above change it
-        torch.testing.assert_close(got.saves["after"], ref[1][: len(ids)] + steer, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got.saves["last"], ref[2][len(ids) - 1:], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(tr.result[1].saves["short"], oracle.run(short)["resid"][1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.saves["after"], ref[1][: len(ids)] + steer, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(got.saves["last"], ref[2][len(ids) - 1:], atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(tr.result[1].saves["short"], oracle.run(short)["resid"][1], atol=ATOL, rtol=ATOL)
     finally:
         chunked.close()
 
@@ -206,7 +210,6 @@ def test_a_compiled_engine_runs_ops_at_taps_inside_its_graphs_exactly(compiled_t
     hooks = {oracle.layers[1]: lambda h: h + steer}
     assert out.token_ids == oracle.greedy(ids, 6, hooks=hooks) != oracle.greedy(ids, 6)
     seq = ids + out.token_ids[:-1]
-    ATOL = 1e-2  # TF32 matmuls on GPUs (see test_graphs)
     torch.testing.assert_close(out.saves["before"], oracle.run(seq)["resid"][1], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(out.saves["after"], oracle.run(seq, hooks)["resid"][2], atol=ATOL, rtol=ATOL)
     plain = compiled_tapped.generate(ids, max_tokens=6, ignore_eos=True).token_ids  # nothing left in the buffers
@@ -236,18 +239,19 @@ def _output_taps_match_transformers(model, oracle, atol: float) -> None:
 
 
 def test_ops_at_attention_and_mlp_output_taps_match_transformers(tapped, oracles):
-    _output_taps_match_transformers(tapped, oracles["tiny-llama"], atol=1e-4)
+    _output_taps_match_transformers(tapped, oracles["tiny-llama"], atol=ATOL)
 
 
 @pytest.mark.gpu
 def test_a_compiled_engine_runs_ops_at_output_taps_inside_its_graphs(compiled_tapped, oracles):
     [before] = compiled_tapped.step_counts()
-    _output_taps_match_transformers(compiled_tapped, oracles["tiny-llama"], atol=1e-2)  # TF32 (see test_graphs)
+    _output_taps_match_transformers(compiled_tapped, oracles["tiny-llama"], atol=ATOL)
     [after] = compiled_tapped.step_counts()
     assert after["graph_steps"]["eager"] == before["graph_steps"]["eager"]
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(2)
 def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
     """Stage 0 runs layers 0-1, stage 1 layers 2-3. Whether a step runs ops in taps is decided from
     all of an invoke's ops, on every stage alike: on a GPU a stage replaying a padded graph while
@@ -276,12 +280,11 @@ def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks(2)
 def test_tensor_parallel_ranks_apply_the_same_taps_to_whole_values(llama):
     """TP=2: residual streams and attention and MLP outputs are whole on every rank (vLLM reduces
     them), so every rank's taps apply the same edits; equal to one rank's hooks within the rounding
     of split matmuls, tokens exactly."""
-    from test_interventions import ATOL
-
     split = interlace.Model("tiny-llama", tensor_parallel_size=2, graph_taps=TAPS)
     try:
         def per_rank() -> list[int]:
@@ -360,6 +363,6 @@ def test_a_non_finite_write_in_a_tap_fails_nothing_else_and_reaches_no_later_tra
     bad = run(tapped, [[ops.replace("layers.1.resid", poison)], [ops.save("layers.2.resid")]])
     want = run(llama, [[], [ops.save("layers.2.resid")]])
     assert bad[1].token_ids == want[1].token_ids  # the neighbour in the same steps
-    assert torch.equal(bad[1].saves["layers.2.resid"], want[1].saves["layers.2.resid"])
+    torch.testing.assert_close(bad[1].saves["layers.2.resid"], want[1].saves["layers.2.resid"], **OTHER_BATCH)
     later = [[], [ops.save("layers.1.resid")], [ops.add("layers.2.resid", vector(13))]]
     assert_same(run(tapped, later), run(llama, later))
