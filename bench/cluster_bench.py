@@ -15,6 +15,10 @@ of the pairs' ratios):
                per replica; on a machine with one GPU the two replicas share it (half a GPU each),
                and on CPU each replica has one core: reported as such. Case ops-save4.
 
+Every cluster trace also prints where its time went on the driver (``driver_phases``: seconds
+from its start for building the invokes, submit, each shard's round trip to its replica, the
+collector's take and the assembly), to find what does not shrink with a second replica.
+
 Usage: python bench/cluster_bench.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--tiny]
        [--phases overhead,scaling]
 GPU machines: bash bench/gpu_session.sh python3 bench/cluster_bench.py
@@ -32,12 +36,65 @@ import time
 from runner_bench import MODEL_DIR, config, interlace_cases, make_model_dir, prompts
 
 
+class DriverPhases:
+    """Where a cluster trace's time goes, seen from the driver: submit (checks and payloads), each
+    shard's ``Replica.run`` round trip, the collector's ``take`` (with the saves mapped) and the
+    assembly of results. Wraps the Cluster's own methods, as bench/step_probe.py wraps the
+    runner's; the replica's side of a shard is one interval here."""
+
+    def __init__(self):
+        from interlace import cluster_client
+
+        self.spans: list[tuple[str, float, float]] = []
+        cls = self.cluster_type = cluster_client.Cluster
+        for name in ("_run_shard", "_take"):
+            setattr(cls, name, self._timed_async(getattr(cls, name), name.strip("_")))
+        cls.submit = self._timed(cls.submit, "submit")
+        cluster_client.assemble = self._timed(cluster_client.assemble, "assemble")
+
+    def _timed(self, fn, name):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.append((name, started, time.perf_counter()))
+        return wrapper
+
+    def _timed_async(self, fn, name):
+        async def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self.spans.append((name, started, time.perf_counter()))
+        return wrapper
+
+    def summary(self, started: float, built: float, ended: float) -> dict:
+        """Seconds from the trace's start: building its invokes, each phase's span, the end."""
+        spans, self.spans = self.spans, []
+        out = {"build_s": round(built - started, 3)}
+        for name in ("submit", "run_shard", "take", "assemble"):
+            mine = [(a - started, b - started) for n, a, b in spans if n == name]
+            if mine:
+                out[name] = [f"{a:.3f}-{b:.3f}" for a, b in mine]
+        out["total_s"] = round(ended - started, 3)
+        return out
+
+
+PHASES: DriverPhases | None = None  # set in main for the cluster phases
+
+
 def run_trace(target, data, out: int, case: dict) -> tuple[float, int]:
     started = time.perf_counter()
     with target.trace(max_tokens=out, ignore_eos=True, timeout_s=3600) as tr:
         for p in data:
             tr.invoke(p, **case)
-    return time.perf_counter() - started, sum(len(r.token_ids) for r in tr.result)
+        built = time.perf_counter()
+    ended = time.perf_counter()
+    if PHASES is not None and isinstance(target, PHASES.cluster_type):
+        print(json.dumps({"driver_phases": PHASES.summary(started, built, ended)}), flush=True)
+    return ended - started, sum(len(r.token_ids) for r in tr.result)
 
 
 def paired(name: str, sides: dict, data_for, repeats: int) -> dict:
@@ -100,6 +157,8 @@ def main() -> None:
         make_model_dir(MODEL_DIR)
     cfg = config(args)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    global PHASES
+    PHASES = DriverPhases()
     seeds = itertools.count(1)
     results = []
 

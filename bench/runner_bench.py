@@ -15,14 +15,16 @@ workers/taps.py, and runs the steps of programs eagerly, workers/graphs.py). Cas
 Both engines stay up side by side (a plain ``vllm.LLM`` and an interlace model with the same
 settings); every timed interlace run is paired with a plain run right before or after it (the
 order alternates by round, and rounds go over every case) on the same new prompts, and a case's
-figure is the median of its paired ratios (interlace tok/s / plain tok/s). Pairing cancels the
+figure is the median of its paired ratios (interlace tok/s / plain tok/s). With ``--graphs
+--eager-too`` an eager interlace engine (the default) runs each case too, right after the compiled
+one on the same prompts, against the same plain run: the two figures then come from one run. Pairing cancels the
 machine's drift, which between separate runs was larger than the effects measured. (Until
 2026-11-24's tenth session plain always ran first and a case's pairs ran back to back.) (Until 2026-11-23's eighth session every run reused the same prompts, so plain vLLM and
 the `none` case served them from the prefix cache while intervened requests, which bypass it,
 computed every prompt token: an advantage for plain vLLM of about 2 prefill steps per run.)
 
 Usage: python bench/runner_bench.py [--n 256] [--in 128] [--out 128] [--tp 1] [--pp 1]
-       [--cases a,b] [--repeats 3] [--graphs] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
+       [--cases a,b] [--repeats 3] [--graphs [--eager-too]] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
        python bench/runner_bench.py --kv-clear [--n 256] [--in 128] [--out 128] [--tiny]
 Prints one JSON line per pair, then a table. ``--kv-clear`` times only what clearing intervened
 requests' KV-cache blocks adds (workers/kv_blocks.py; the steering cases above pay it): the
@@ -78,9 +80,12 @@ def config(args):
         base = ModelConfig(name="llama-1b-shape", source=MODEL_DIR, dtype="bfloat16", max_model_len=1024,
                            engine_args=ENGINE_ARGS)
     update = {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
+    engine_args = dict(base.engine_args)
+    if getattr(args, "eager_too", False) and "gpu_memory_utilization" in engine_args:
+        engine_args["gpu_memory_utilization"] = 0.28  # three engines share the GPU
     if getattr(args, "graphs", False):  # vLLM as users run it: compiled, CUDA graphs (both engines)
-        update["engine_args"] = {**base.engine_args, "enforce_eager": False}
-    return base.model_copy(update=update)
+        engine_args["enforce_eager"] = False
+    return base.model_copy(update={**update, "engine_args": engine_args})
 
 
 def plain_engine(cfg):
@@ -206,7 +211,11 @@ def main() -> None:
     parser.add_argument("--kv-clear", action="store_true", help="time clearing intervened requests' KV blocks only")
     parser.add_argument("--graphs", action="store_true", help="both engines compiled with CUDA graphs (enforce_eager=False; "
                         "interlace declares the ops cases' points as graph taps, and runs steps with programs eager)")
+    parser.add_argument("--eager-too", action="store_true", help="with --graphs: a third engine, interlace eager (the "
+                        "default), runs every case on the same prompts right after the compiled one, against the same plain run")
     args = parser.parse_args()
+    if args.eager_too and not args.graphs:
+        parser.error("--eager-too compares an eager interlace engine with a compiled one: give --graphs")
     if args.kv_clear:
         return kv_clear_cost(args)
 
@@ -219,13 +228,17 @@ def main() -> None:
     hf = plain.llm_engine.model_config.hf_config
     # Compiled: the ops cases' points are graph taps, so their ops run in the CUDA graphs (taps.py)
     model = interlace.Model(cfg.model_copy(update={"graph_taps": graph_taps(hf.num_hidden_layers) if args.graphs else []}))
+    eager = interlace.Model(config(argparse.Namespace(**{**vars(args), "graphs": False}))) if args.eager_too else None
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
     run_plain(plain, data, args.out)  # warm-ups at full size: kernels compile per batch shape
     run_interlace(model, data, args.out, cases["ops-steer1"])
+    if eager is not None:
+        run_interlace(eager, data, args.out, cases["ops-steer1"])
 
     names = args.cases.split(",")
     ratios: dict[str, list[float]] = {name: [] for name in names}
+    eager_ratios: dict[str, list[float]] = {name: [] for name in names}  # --eager-too
     plain_rates: dict[str, list[float]] = {name: [] for name in names}
     seeds = itertools.count(1)
     # Round by round over the cases, and within a pair plain first in even rounds and interlace
@@ -239,13 +252,19 @@ def main() -> None:
             if round_ % 2 == 0:
                 p_seconds, p_tokens = run_plain(plain, fresh, args.out)
             i_seconds, i_tokens, saved_mib = run_interlace(model, fresh, args.out, cases[name])
+            extra = {}
+            if eager is not None:
+                e_seconds, e_tokens, _ = run_interlace(eager, fresh, args.out, cases[name])
             if round_ % 2 == 1:
                 p_seconds, p_tokens = run_plain(plain, fresh, args.out)
             plain_rates[name].append(p_tokens / p_seconds)
             ratios[name].append((i_tokens / i_seconds) / plain_rates[name][-1])
+            if eager is not None:
+                eager_ratios[name].append((e_tokens / e_seconds) / plain_rates[name][-1])
+                extra = {"eager_interlace_s": round(e_seconds, 3), "eager_ratio": round(eager_ratios[name][-1], 3)}
             print(json.dumps({"case": name, "round": round_, "plain_s": round(p_seconds, 3),
                               "interlace_s": round(i_seconds, 3), "tokens": i_tokens,
-                              "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1)}), flush=True)
+                              "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1), **extra}), flush=True)
     table = [(name, statistics.median(plain_rates[name]), statistics.median(ratios[name]), min(ratios[name]),
               max(ratios[name])) for name in names]
 
@@ -254,10 +273,16 @@ def main() -> None:
     if graph_steps[0] is not None:
         print(f"interlace engine steps (rank 0): {graph_steps[0]}")
     print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {where}; {args.repeats} pairs per case")
-    print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'min':>6} {'max':>6}")
+    print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'min':>6} {'max':>6}"
+          + (f" {'eager interlace x plain':>24} {'min':>6} {'max':>6}" if eager is not None else ""))
     for name, rate, median, low, high in table:
-        print(f"{name:18} {rate:12.0f} {median:17.2f} {low:6.2f} {high:6.2f}")
+        row = f"{name:18} {rate:12.0f} {median:17.2f} {low:6.2f} {high:6.2f}"
+        if eager is not None:
+            row += f" {statistics.median(eager_ratios[name]):24.2f} {min(eager_ratios[name]):6.2f} {max(eager_ratios[name]):6.2f}"
+        print(row)
     model.close()
+    if eager is not None:
+        eager.close()
     plain.llm_engine.engine_core.shutdown()
 
 
