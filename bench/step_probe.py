@@ -91,6 +91,20 @@ def time_steps(owner) -> None:
 
     owner.execute_model = wrapper
 
+    sample = getattr(owner, "sample_tokens", None)  # vLLM's runners sample (and interlace ends its step) here
+    if sample is not None:
+        @functools.wraps(sample)
+        def sample_wrapper(self, *args, **kwargs):
+            if PROFILE[0] is not None:
+                PROFILE[0].enable()
+            try:
+                return sample(self, *args, **kwargs)
+            finally:
+                if PROFILE[0] is not None:
+                    PROFILE[0].disable()
+
+        owner.sample_tokens = sample_wrapper
+
 
 def print_steps() -> None:
     import numpy as np

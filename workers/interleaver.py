@@ -204,6 +204,7 @@ class Interleaver:
         self.tap_step = False  # set before each step: this step's ops run through taps
         self.tap_steps = 0
         self._said_untapped = False
+        self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
         self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
@@ -240,6 +241,7 @@ class Interleaver:
             max_save_bytes=payload["max_save_bytes"],
         )
         self.invokes[req_id] = state
+        self._untapped.add(req_id)  # until its ops are known to run in graph taps (runs_on_taps)
         self._last = None  # a new invoke starts a new epoch
         try:
             if payload["ops_key"] not in self._ops:  # unpickled once per distinct list: shared by a sweep
@@ -270,6 +272,8 @@ class Interleaver:
             state.tapped = []  # failed alike on every rank: it never holds a step eager
         elif self.taps is not None and state.program is None:
             self._tap(state)
+        if state.tapped is not None:
+            self._untapped.discard(req_id)
 
     def _tap(self, state: InvokeState) -> None:
         """Run the invoke's ops through graph taps if it can (taps.Taps.can_run), holding a vector
@@ -295,14 +299,16 @@ class Interleaver:
         """Whether a step of these requests runs its ops through taps (every intervened one can).
         Decided from admission alone, never from errors met since (some happen on one rank only),
         so every rank and stage takes the same path."""
-        invokes = self.invokes
-        return self.taps is not None and all(invokes[r].tapped is not None for r in req_ids if r in invokes)
+        # The live invokes that are not tapped, looked up in the step's requests: not the step's
+        # requests one by one (a Python loop over the whole batch, every step).
+        return self.taps is not None and not any(r in req_ids for r in self._untapped)
 
     def finish(self, req_ids) -> None:
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
         if finished:
             self._last = None
         for state in finished:
+            self._untapped.discard(state.req_id)
             self.hooks.release(owner=state.req_id)
             for op in state.tapped or ():
                 self.taps.let_go(op)
