@@ -199,6 +199,8 @@ def load_refusals_raised():
     vLLM passes no error text from a failed engine core back to its caller, so the workers write
     refusals to a file named in their environment (``workers/plugin.py``), which they inherit
     from this process. Ranks on other hosts (Ray's executor) do not: there the error stays vLLM's.
+    Engines started at once from several threads of one process share the variable: a refusal
+    may then be told to the other start, or to none (vLLM's error stays), never left in a file.
     """
     fd, path = tempfile.mkstemp(prefix="interlace-load-errors-", suffix=".txt")
     os.close(fd)
@@ -212,10 +214,11 @@ def load_refusals_raised():
             raise ValueError("the engine refused its settings: " + "; ".join(reasons)) from exc
         raise
     finally:
-        if before is None:
-            os.environ.pop(LOAD_ERRORS_ENV, None)
-        else:
-            os.environ[LOAD_ERRORS_ENV] = before
+        if os.environ.get(LOAD_ERRORS_ENV) == path:  # another thread's start may have set its own since
+            if before is None:
+                os.environ.pop(LOAD_ERRORS_ENV, None)
+            else:
+                os.environ[LOAD_ERRORS_ENV] = before
         os.unlink(path)
 
 

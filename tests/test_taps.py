@@ -150,6 +150,21 @@ def test_a_tap_at_an_output_that_is_not_an_attention_or_mlp_block_is_refused():
     assert not list(Path(tempfile.gettempdir()).glob("interlace-load-errors-*"))  # the file went with the start
 
 
+def test_a_worker_tells_only_a_start_still_waiting_for_its_refusals(tmp_path, monkeypatch):
+    """A refusal goes to the file of the start that is running; once that start is over (its file
+    removed), nothing is written and no file is made again."""
+    from interlace.workers.plugin import LOAD_ERRORS_ENV, tell_the_caller
+
+    waiting = tmp_path / "waiting.txt"
+    waiting.write_text("")
+    monkeypatch.setenv(LOAD_ERRORS_ENV, str(waiting))
+    tell_the_caller(ValueError("graph tap 'x':\n  not here"))
+    assert waiting.read_text() == "graph tap 'x': not here\n"
+    monkeypatch.setenv(LOAD_ERRORS_ENV, str(tmp_path / "over.txt"))
+    tell_the_caller(ValueError("late"))
+    assert not (tmp_path / "over.txt").exists()
+
+
 def test_ops_at_taps_stay_exact_when_prefill_is_chunked(oracles):
     """A 100-token prompt in chunks of at most 32 tokens, beside a short prompt: each step's rows
     are set from that step's chunk (transformers on the whole sequence is the reference)."""

@@ -56,6 +56,11 @@ def tell_the_caller(exc: BaseException) -> None:
     """Append ``exc``'s message to the caller's load-errors file, where it gave one (one line per
     rank: every tensor-parallel rank refuses the same taps)."""
     path = os.environ.get(LOAD_ERRORS_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as out:
-            out.write(" ".join(str(exc).split()) + "\n")
+    if not path:
+        return
+    try:  # never create it: a file its caller removed (its start is over) takes nothing more
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except FileNotFoundError:
+        return
+    with os.fdopen(fd, "a", encoding="utf-8") as out:
+        out.write(" ".join(str(exc).split()) + "\n")
