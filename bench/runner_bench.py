@@ -269,9 +269,9 @@ def main() -> None:
               max(ratios[name])) for name in names]
 
     where = f"TP={args.tp} PP={args.pp}, {'CUDA graphs' if args.graphs else 'eager'}, {cfg.dtype}, {cfg.name}"
-    graph_steps = model.engine.collective_rpc("interlace_graph_steps")
-    if graph_steps[0] is not None:
-        print(f"interlace engine steps (rank 0): {graph_steps[0]}")
+    graph_steps = model.step_counts()[0]["graph_steps"]
+    if graph_steps is not None:
+        print(f"interlace engine steps (rank 0): {graph_steps}")
     print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {where}; {args.repeats} pairs per case")
     print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'min':>6} {'max':>6}"
           + (f" {'eager interlace x plain':>24} {'min':>6} {'max':>6}" if eager is not None else ""))

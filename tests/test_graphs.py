@@ -29,8 +29,8 @@ def compiled():
 
 
 def steps(model) -> dict[str, int]:
-    [counts] = model.engine.collective_rpc("interlace_graph_steps")
-    return dict(counts)
+    [rank] = model.step_counts()
+    return dict(rank["graph_steps"])
 
 
 @pytest.mark.gpu

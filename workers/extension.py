@@ -34,21 +34,17 @@ class InterlaceWorkerExtension:
         preempting a request (KV cache pressure)."""
         return self.model_runner._interlace.replays
 
-    def interlace_graph_steps(self) -> dict[str, int] | None:
-        """On a compiled engine, this rank's steps run with vLLM's graphs and eagerly (those that
-        intervened) since start-up; None on an eager engine."""
-        return getattr(self.model_runner._interlace, "graph_steps", None)
-
     def interlace_step_counts(self) -> dict:
-        """This rank's ``graph_steps`` (:meth:`interlace_graph_steps`) and ``taps``: on an engine
-        with graph taps, the steps whose ops ran through them and the forwards through each tap
-        (by module name); None without taps."""
+        """This rank's ``graph_steps``: on a compiled engine, the steps since start-up that replayed
+        vLLM's graphs, ran ops in graph taps, or ran eager (those that intervened otherwise; None
+        on an eager engine); and ``taps``: on an engine with graph taps, the steps whose ops ran
+        through them and the forwards through each tap (by module name; None without taps)."""
         inter = self.model_runner._interlace
         taps = None
         if inter.taps is not None:
             ran = inter.taps.ran.tolist()
             taps = {"steps": inter.tap_steps, "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
-        return {"graph_steps": self.interlace_graph_steps(), "taps": taps}
+        return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps}
 
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,

@@ -25,7 +25,7 @@ to trace them); an eager engine calls them directly. An eager step does too (:me
 
 A step marked eager that did not reach the model eagerly (a vLLM whose runner changed) fails that
 step's invokes with a clear error, never dropping their interventions silently. Counters say how
-many steps ran each way (the worker extension's ``interlace_graph_steps``).
+many steps ran each way (the worker extension's ``interlace_step_counts``).
 """
 
 from __future__ import annotations

@@ -283,7 +283,7 @@ class Interleaver:
                 self._said_untapped = True
                 logger.info("interlace: an invoke's ops cannot all run in this engine's graph taps (an op at a point "
                             "not in graph_taps, two edits at one tap, or a vector not of the hidden size): the steps "
-                            "it is in run eager (counted as 'eager' in interlace_graph_steps)")
+                            "it is in run eager (counted as 'eager' in interlace_step_counts)")
             return
         held = []
         for op in state.ops:

@@ -86,7 +86,7 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             raise RuntimeError("interlace runs interventions on a compiled engine only with vLLM's V2 GPU runner; "
                                "start this engine with enforce_eager=True")
         switch = GraphSwitch(runner)
-        inter.graph_steps = switch.steps  # read by the extension's interlace_graph_steps
+        inter.graph_steps = switch.steps  # read by the extension's interlace_step_counts
         logger.info("interlace: compiled engine; %d custom ops run their CUDA kernels in eager steps",
                     eager_kernels(runner.model))
 

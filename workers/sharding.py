@@ -187,15 +187,12 @@ class TensorParallelLayout:
 
     def _beside_column_parallel(self, module: str) -> bool:
         parent = module.rpartition(".")[0]
-        return any("MergedColumnParallelLinear" in _mro(m) for m in self._children(parent))
+        return any("MergedColumnParallelLinear" in _mro(m) for m in children(self.modules, parent))
 
     def _sibling_intermediate(self, module: str) -> int:
         parent = module.rpartition(".")[0]
-        merged = next(m for m in self._children(parent) if "MergedColumnParallelLinear" in _mro(m))
+        merged = next(m for m in children(self.modules, parent) if "MergedColumnParallelLinear" in _mro(m))
         return merged.output_sizes[0] // self.tp_size
-
-    def _children(self, parent: str) -> list[nn.Module]:
-        return children(self.modules, parent)
 
     def _known_full(self, module: str, mod: nn.Module) -> bool:
         """Values vLLM has already reduced or never split."""
