@@ -18,22 +18,35 @@ def _rows(*values: float) -> torch.Tensor:
 def test_reused_slot_gets_only_rows_saved_after_it_was_reused():
     ledger = SaveLedger()
     one_row_each = dict(starts=np.array([0, 1]), stops=np.array([1, 2]))
-    ledger.add("t", "h", _rows(10, 11), owners=np.array([0, 1]), **one_row_each)  # step 1: slots 0, 1
+    ledger.add("t", [("h", _rows(10, 11))], owners=np.array([0, 1]), **one_row_each)  # step 1: slots 0, 1
     [first] = ledger.take("t", [0]).assemble()  # invoke A (slot 0) finishes; slot 1 goes on
     assert first["h"].flatten().tolist() == [10]
 
     # slot 0 now belongs to invoke C of the same trace
-    ledger.add("t", "h", _rows(20, 21), owners=np.array([0, 1]), **one_row_each)
+    ledger.add("t", [("h", _rows(20, 21))], owners=np.array([0, 1]), **one_row_each)
     [c, b] = ledger.take("t", [0, 1]).assemble()
     assert c["h"].flatten().tolist() == [20]
     assert b["h"].flatten().tolist() == [11, 21]
     assert ledger.take("t", [0, 1]).assemble() == [{}, {}]  # nothing left behind
 
 
+def test_names_saved_together_from_one_copy_stay_apart_and_keep_their_order():
+    """Saves at several graph taps of the same rows are one gather per step (taps.TappedSaves):
+    one add of views of one tensor, which each name gets back whole and in step order."""
+    ledger = SaveLedger()
+    one_row_each = dict(starts=np.array([0, 1]), stops=np.array([1, 2]))
+    for step in range(3):
+        both = torch.tensor([[[10.0 + step], [20.0 + step]], [[30.0 + step], [40.0 + step]]])  # [names, rows, 1]
+        ledger.add("t", list(zip(["a", "b"], both.unbind(0))), owners=np.array([4, 2]), fresh=True, **one_row_each)
+    four, two = ledger.take("t", [4, 2]).assemble()
+    assert four["a"].flatten().tolist() == [10, 11, 12] and four["b"].flatten().tolist() == [30, 31, 32]
+    assert two["a"].flatten().tolist() == [20, 21, 22] and two["b"].flatten().tolist() == [40, 41, 42]
+
+
 def test_rows_of_several_lengths_concatenate_in_save_order():
     ledger = SaveLedger()
-    ledger.add("t", "x", _rows(1, 2, 3), owners=np.array([5, 7]), starts=np.array([0, 2]), stops=np.array([2, 3]))
-    ledger.add("t", "x", _rows(4, 5), owners=np.array([7, 5]), starts=np.array([0, 1]), stops=np.array([1, 2]))
+    ledger.add("t", [("x", _rows(1, 2, 3))], owners=np.array([5, 7]), starts=np.array([0, 2]), stops=np.array([2, 3]))
+    ledger.add("t", [("x", _rows(4, 5))], owners=np.array([7, 5]), starts=np.array([0, 1]), stops=np.array([1, 2]))
     seven, five = ledger.take("t", [7, 5]).assemble()
     assert five["x"].flatten().tolist() == [1, 2, 5]
     assert seven["x"].flatten().tolist() == [3, 4]
@@ -43,7 +56,7 @@ def test_a_chunk_in_batch_order_is_scattered_to_invoke_order():
     # vLLM's batch order differs from invoke order: every row of the chunk moves, none is lost
     ledger = SaveLedger()
     for step in range(2):
-        ledger.add("t", "h", _rows(*(10 * step + o for o in (3, 1, 4, 2))), owners=np.array([3, 1, 4, 2]),
+        ledger.add("t", [("h", _rows(*(10 * step + o for o in (3, 1, 4, 2))))], owners=np.array([3, 1, 4, 2]),
                    starts=np.arange(4), stops=np.arange(1, 5))
     results = ledger.take("t", [1, 2, 3, 4]).assemble()
     assert [r["h"].flatten().tolist() for r in results] == [[1, 11], [2, 12], [3, 13], [4, 14]]
@@ -57,7 +70,7 @@ def test_slab_memory_is_reused_only_after_reports_let_go():
 
     def sweep(trace: str, offset: float):
         for step in range(100):  # 100 MiB: with the other sweep, three slabs filled and a fourth begun
-            ledger.add(trace, "h", torch.full((256, hidden), float(offset + step)), owners=owners, **bounds)
+            ledger.add(trace, [("h", torch.full((256, hidden), float(offset + step)))], owners=owners, **bounds)
         return ledger.take(trace, owners.tolist())
 
     first = sweep("a", 0)
@@ -84,7 +97,7 @@ def test_rows_of_any_width_and_layout_gather_exactly_also_split_across_batches()
     owners, one_row_each = np.array([3, 1, 2, 0]), dict(starts=np.arange(4), stops=np.arange(1, 5))
     for step in range(2):
         for name, value in values.items():
-            ledger.add("t", name, value + step, owners=owners, **one_row_each)
+            ledger.add("t", [(name, value + step)], owners=owners, **one_row_each)
     first = ledger.take("t", [0, 2]).assemble()  # two of the four finish first
     rest = ledger.take("t", [1, 3]).assemble()
     for slot, saves in zip([0, 2, 1, 3], first + rest):
@@ -119,8 +132,8 @@ def test_rows_kept_on_the_gpu_gather_exactly_past_its_room_too_and_give_the_room
     values = [torch.randn(4, 8, device="cuda") for _ in range(5)]
     expected = [v.cpu() for v in values]
     for value in values:
-        ledger.add("t", "h", value, owners=owners, **one_row_each)
-    ledger.add("t", "fresh", values[0] * 2, owners=owners, fresh=True, **one_row_each)  # no room left: host
+        ledger.add("t", [("h", value)], owners=owners, **one_row_each)
+    ledger.add("t", [("fresh", values[0] * 2)], owners=owners, fresh=True, **one_row_each)  # no room left: host
     assert [c.rows.is_cuda for c in ledger._chunks["t"]] == [True, True, True, False, False, False]
     values[0].add_(100)  # saves are snapshots: editing the tensor afterwards changes nothing
     first = ledger.take("t", [0, 2])
@@ -143,7 +156,7 @@ def test_rows_all_on_the_gpu_are_gathered_there_in_invoke_order():
     owners = np.array([2, 0, 1])
     for step in range(3):  # invoke 0 saves two rows a step, the others one
         rows = torch.arange(4 * 16, dtype=torch.bfloat16, device="cuda").reshape(4, 16) + 100 * step
-        ledger.add("t", "x", rows, owners=owners, starts=np.array([0, 1, 3]), stops=np.array([1, 3, 4]))
+        ledger.add("t", [("x", rows)], owners=owners, starts=np.array([0, 1, 3]), stops=np.array([1, 3, 4]))
     one, rest = ledger.take("t", [0]), ledger.take("t", [1, 2])
     [zero], [first, second] = one.assemble(), rest.assemble()
     expect = lambda a, b: torch.cat([torch.arange(16 * a, 16 * b, dtype=torch.bfloat16).reshape(-1, 16) + 100 * s

@@ -214,6 +214,7 @@ class Interleaver:
         self._last: tuple[BatchLayout, Scheduled] | None = None  # the previous step's, while its epoch may go on
         self._epochs = itertools.count(1)
         self._epoch_rows: tuple[int, dict[bytes, Rows]] = (0, {})  # device row indices of the current epoch
+        self._tapped_groups: tuple[list, list] | None = None  # the last step's tapped saves, grouped (taps.py)
         self._epoch_groups: tuple[int, dict[str, Scheduled]] | None = None  # this epoch's program groups, last step's
 
     @property
@@ -397,7 +398,9 @@ class Interleaver:
                 step_op = plan.for_step(scheduled)
                 if step_op is not None:
                     ops[hook].append((plan.point, step_op))
-                    applied[step_op.slots] |= step_op.bits
+                    if not step_op.recorded:
+                        applied[step_op.slots] |= step_op.bits
+                        step_op.recorded = True
         if self._epoch_rows[0] != scheduled.epoch:
             self._epoch_rows = (scheduled.epoch, {})
         self.step = Step(layout, [], ops, _rows=self._epoch_rows[1])
@@ -525,8 +528,8 @@ class Interleaver:
         step = self.step
         if step is None:
             return {}
-        for point, step_op in step.tapped:
-            self._take_tapped(step, point, step_op)
+        if step.tapped:
+            self._take_tapped(step.tapped)
         if self.agree_max is not None and step.calls:
             self._agree_on_time(step.calls)
         for call, ctx in step.calls:
@@ -605,7 +608,7 @@ class Interleaver:
         try:  # on one tensor: a tuple output's first (vLLM's linear layers return (out, bias))
             value = _gather(split, access.read_tensor(point, rows))
             if op["op"] == "save":
-                self._save_rows(step_op.invokes, step_op.slots, op.get("name") or op["point"], value,
+                self._save_rows(step_op.invokes, step_op.slots, [(op.get("name") or op["point"], value)],
                                 step_op.starts, step_op.stops, fresh=split is not None or access.is_copy(point, rows))
             else:
                 access.write_tensor(point, rows, _local(split, apply_op(op, value)))
@@ -613,16 +616,22 @@ class Interleaver:
             for inv in step_op.invokes:
                 inv.fail(error_record(exc, where=f"op {op['op']} at {point}"))
 
-    def _take_tapped(self, step: Step, point: Point, step_op: StepOp) -> None:
-        """A save that ran in a tap: its rows, from the tap's buffer (read before the next forward)."""
-        try:
-            rows = step.rows_at(step_op.rows, self.device)
-            value = rows.take(self.taps.saved[self.taps.index[point.module]], 0)
-            self._save_rows(step_op.invokes, step_op.slots, step_op.op.get("name") or step_op.op["point"], value,
-                            step_op.starts, step_op.stops, fresh=not isinstance(rows.index, slice))
-        except Exception as exc:  # noqa: BLE001
-            for inv in step_op.invokes:
-                inv.fail(error_record(exc, where=f"op save at {point}"))
+    def _take_tapped(self, tapped: list[tuple[Point, StepOp]]) -> None:
+        """The saves that ran in taps: their rows, from the taps' buffers (read before the next
+        forward). Saves of the same rows (a sweep saving 4 layers' last token) are one gather and
+        one ledger entry per step: this runs on the engine thread between graph replays of about
+        3 ms (the 1B shape on an H100), where each save's own gather and bookkeeping added up."""
+        last = self._tapped_groups
+        if last is None or len(last[0]) != len(tapped) or not all(a[1] is b[1] for a, b in zip(last[0], tapped)):
+            self._tapped_groups = (tapped, self.taps.save_groups(tapped))
+        for group in self._tapped_groups[1]:
+            try:
+                values = group.gather(self.taps.saved)
+                self._save_rows(group.invokes, group.slots, list(zip(group.names, values)), group.starts, group.stops,
+                                fresh=True)
+            except Exception as exc:  # noqa: BLE001
+                for inv in group.invokes:
+                    inv.fail(error_record(exc, where=f"op save at {group.where}"))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
         split = self.tp.split(point.module, point.kind)
@@ -737,7 +746,7 @@ class Interleaver:
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            self._save_rows(ctx.invokes, ctx.members.slots, name, value, *_split_rows(ctx, value, "save"))
+            self._save_rows(ctx.invokes, ctx.members.slots, [(name, value)], *_split_rows(ctx, value, "save"))
             return
         if isinstance(value, torch.Tensor):  # a scalar: kept whole (a batched call needs rows)
             _split_rows(ctx, value, "save")
@@ -745,17 +754,17 @@ class Interleaver:
         for inv in ctx.invokes:
             inv.saves.setdefault(name, []).append(value)
 
-    def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, name: str, value: torch.Tensor,
+    def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, named: list[tuple[str, torch.Tensor]],
                    starts: np.ndarray, stops: np.ndarray, fresh: bool = False) -> None:
-        """Record ``value`` once for the whole group (invoke i owns rows ``starts[i]:stops[i]``);
-        ``fresh``: a copy made for this save (an op's gathered rows), kept without another copy.
+        """Record each ``(name, value)`` once for the whole group (invoke i owns rows
+        ``starts[i]:stops[i]`` of every value); ``fresh``: copies made for this save (an op's
+        gathered rows), kept without another copy.
 
         The engine never waits here: rows stay on the device or are copied asynchronously (see
-        saves.py). Every TP rank
-        checks the limit, so an over-limit save fails the same way everywhere; only the rank that
-        reports keeps the rows.
+        saves.py). Every TP rank checks the limit, so an over-limit save fails the same way
+        everywhere; only the rank that reports keeps the rows.
         """
-        row_bytes = math.prod(value.shape[1:]) * value.element_size()
+        row_bytes = sum(math.prod(value.shape[1:]) * value.element_size() for _name, value in named)
         used = self.slots.save_used[slots] + (stops - starts) * row_bytes
         over = used > self.slots.save_limit[slots]
         if over.any():
@@ -767,8 +776,8 @@ class Interleaver:
             )
         self.slots.save_used[slots] = used
         if self.rank["tp_rank"] == 0:
-            self.ledger.add(invokes[0].trace, name, value, slots, starts, stops, fresh)
-            self._reserve_ahead(invokes[0], len(value) * row_bytes)
+            self.ledger.add(invokes[0].trace, named, slots, starts, stops, fresh)
+            self._reserve_ahead(invokes[0], len(named[0][1]) * row_bytes)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):

@@ -38,6 +38,7 @@ class StepOp:
     starts: np.ndarray  # invoke i owns rows starts[i]:stops[i] of the gathered value (for saves)
     stops: np.ndarray
     bits: np.ndarray  # each invoke's bit for this op in SlotTable.ops_applied (0: not tracked)
+    recorded: bool = False  # its bits are set already (a plan keeps its StepOp for an epoch's steps)
 
 
 TRACKED_OPS = 63  # an invoke's first ops, each with a bit of an int64 slot column (see applied_bit)

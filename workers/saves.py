@@ -16,7 +16,7 @@ which invoke owns which of them. Where the copy lives:
 Either way reporting is one gather per name: for a sweep of 256 invokes x 128 steps x 4 names,
 four row selections, not 131,072 slices.
 
-    ledger.add(trace, "l3", rows, owners=slots, starts=starts, stops=stops)     (numpy arrays)
+    ledger.add(trace, [("l3", rows)], owners=slots, starts=starts, stops=stops)     (numpy arrays)
     ledger.take(trace, [slot, ...]).assemble()  ->  [{"l3": tensor}, ...]   (take forgets them)
     ...assemble(batch.allocate)                  the same, gathered straight into a report file
 """
@@ -133,19 +133,25 @@ class SaveLedger:
         self._holds = threading.Lock()  # device_holds change on the engine and reporter threads
         self._device_streams: set = set()  # streams rows were kept on (reports wait for them)
 
-    def add(self, trace: str, name: str, value: torch.Tensor, owners: np.ndarray, starts: np.ndarray,
+    def add(self, trace: str, named: list[tuple[str, torch.Tensor]], owners: np.ndarray, starts: np.ndarray,
             stops: np.ndarray, fresh: bool = False) -> None:
-        """Rows of ``value`` for a group: owner ``owners[i]`` (a slot) has rows ``starts[i]:stops[i]``.
-        ``fresh``: ``value`` was made for this save and nothing else refers to it (no copy needed)."""
-        value = value.detach()
-        if value.is_cuda and self._room.take(value.nbytes, value.device):
-            rows = value if fresh else value.clone()  # a snapshot: later in-place kernels cannot change it
-            self._device_streams.add(torch.cuda.current_stream(value.device))
-            self._chunks[trace].append(SaveChunk(name, rows, None, owners, starts, stops, len(owners),
-                                                 device_holds=1))  # the ledger's hold
+        """Rows of each ``(name, value)`` for a group: owner ``owners[i]`` (a slot) has rows
+        ``starts[i]:stops[i]`` of every value. ``fresh``: the values were made for this save and
+        nothing else refers to them (no copy needed)."""
+        chunks = self._chunks[trace]
+        first = named[0][1]
+        if first.is_cuda and self._room.take(sum(value.nbytes for _name, value in named), first.device):
+            self._device_streams.add(torch.cuda.current_stream(first.device))
+            for name, value in named:  # a snapshot unless fresh: later in-place kernels cannot change it
+                rows = value.detach() if fresh else value.detach().clone()
+                chunks.append(SaveChunk(name, rows, None, owners, starts, stops, len(owners), device_holds=1))
             return
-        rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
-        self._chunks[trace].append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab))
+        for name, value in named:
+            if fresh and not value.is_cuda:  # a CPU copy made for this save: nothing to copy again
+                chunks.append(SaveChunk(name, value.detach(), None, owners, starts, stops, len(owners)))
+                continue
+            rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
+            chunks.append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab))
 
     def retain(self, chunk: SaveChunk) -> None:
         """One more holder of the chunk's memory (a report that will read it)."""

@@ -182,6 +182,22 @@ class Taps:
             if entry[1] == 0:
                 self._free_rows.append(self._vector_rows.pop(op["key"])[0])
 
+    def save_groups(self, tapped: list) -> list["TappedSaves"]:
+        """The step's saves that ran in taps (the interleaver's (point, StepOp) list), grouped by
+        the rows they select: each group is one gather from :attr:`saved` per step. Made once per
+        epoch of decoding (the plans keep their StepOps for it)."""
+        by_rows: dict[tuple[bytes, ...], list] = {}
+        for entry in tapped:  # a plan's invokes belong to one trace
+            step_op = entry[1]
+            key = tuple(a.tobytes() for a in (step_op.slots, step_op.rows, step_op.starts, step_op.stops))
+            by_rows.setdefault(key, []).append(entry)
+        # An invoke's rows under one name are its saves' in the order made: a name saved in two
+        # groups of one trace (different rows) keeps that order only if nothing is regrouped.
+        names = [{(m[1].invokes[0].trace, _name(m[1].op)) for m in members} for members in by_rows.values()]
+        if sum(map(len, names)) != len(set().union(*names)):
+            return [TappedSaves([entry], self) for entry in tapped]
+        return [TappedSaves(members, self) for members in by_rows.values()]
+
     # --- on the host, per step ------------------------------------------------------------------
 
     def fill(self, ops_by_hook: dict) -> None:
@@ -237,6 +253,32 @@ class Taps:
         self.control[:rows].copy_(self._host[:rows], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+
+class TappedSaves:
+    """Saves at several taps that select the same rows of the same invokes: one gather per step.
+
+    ``gather`` returns one fresh tensor per save (views of one [saves, rows, hidden] copy), in the
+    order given."""
+
+    def __init__(self, members: list, taps: Taps):
+        first = members[0][1]
+        self.invokes, self.slots, self.starts, self.stops = first.invokes, first.slots, first.starts, first.stops
+        self.names = [_name(step_op.op) for _point, step_op in members]
+        self.where = ", ".join(sorted({str(point) for point, _step_op in members}))
+        taps_of = np.array([taps.index[point.module] for point, _step_op in members], dtype=np.int64)
+        flat = (taps_of[:, None] * taps.max_tokens + first.rows[None, :]).reshape(-1)  # rows of saved as [taps*tokens, hidden]
+        self.index = torch.from_numpy(flat).to(taps.saved.device)
+        self.shape = (len(members), len(first.rows), taps.hidden_size)
+
+    def gather(self, saved: torch.Tensor) -> list[torch.Tensor]:
+        with torch.inference_mode(False):  # normal tensors, as the hook path's saves are
+            rows = saved.view(-1, saved.shape[-1]).index_select(0, self.index).view(self.shape)
+        return list(rows.unbind(0))
+
+
+def _name(op: dict) -> str:
+    return op.get("name") or op["point"]
 
 
 def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: int, dtype: torch.dtype) -> Taps:
