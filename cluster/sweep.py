@@ -212,7 +212,7 @@ def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes
     import cloudpickle
 
     from interlace import settings
-    from interlace.cluster_client import _programs_by_value
+    from interlace.trace import programs_by_value
 
     program = _import_program(cfg.intervention, base_dir)
     plan = RunPlan(
@@ -222,7 +222,7 @@ def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes
         settings=cfg.generation.settings(),
         timeout_s=cfg.generation.timeout_s or max(settings.trace_timeout_s(), 600.0),
         max_save_bytes=cfg.generation.max_save_bytes)
-    with _programs_by_value([program]):  # the actors cannot import the user's module
+    with programs_by_value([program]):  # the actors cannot import the user's module
         return cloudpickle.dumps(plan)
 
 

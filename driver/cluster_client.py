@@ -38,8 +38,6 @@ import contextlib
 import dataclasses
 import itertools
 import shutil
-import sys
-import sysconfig
 import threading
 import uuid
 from pathlib import Path
@@ -185,8 +183,7 @@ class Cluster:
             raise RuntimeError("this cluster is closed; make a new interlace.Cluster(...)")
         check_trace(trace.invokes, trace.settings, self.tree)  # the very checks Model makes
         trace_id = new_trace_id()
-        with _programs_by_value(inv.program for inv in trace.invokes):
-            payloads = encode_payloads(trace.invokes, trace_id, "", trace.timeout_s, trace.max_save_bytes)
+        payloads = encode_payloads(trace.invokes, trace_id, "", trace.timeout_s, trace.max_save_bytes)
         self._queue.acquire()
         with self._count_lock:
             self._held += 1
@@ -450,27 +447,3 @@ def _names(code) -> set[str]:
     return names
 
 
-_BY_VALUE = threading.Lock()
-_INSTALLED = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
-
-
-@contextlib.contextmanager
-def _programs_by_value(programs: Iterable[Callable | None]):
-    """Pickle the programs' own modules by value while encoding: a replica's processes cannot
-    import a user's script or test module (installed packages, interlace included, stay by
-    reference: the cluster's nodes have them)."""
-    modules = set()
-    for program in programs:
-        module = sys.modules.get(getattr(program, "__module__", None) or "")
-        path = getattr(module, "__file__", None)
-        if module is not None and path and module.__name__ != "__main__" and not module.__name__.startswith("interlace") \
-                and not str(Path(path).resolve()).startswith(_INSTALLED):
-            modules.add(module)
-    with _BY_VALUE:
-        for module in modules:
-            cloudpickle.register_pickle_by_value(module)
-        try:
-            yield
-        finally:
-            for module in modules:
-                cloudpickle.unregister_pickle_by_value(module)

@@ -28,7 +28,7 @@ import cloudpickle
 
 from interlace.model import DEFAULT_MAX_SAVE_BYTES, Model, Trace
 from interlace.settings import trace_timeout_s
-from interlace.trace import InterventionError, TraceResult, WorkerDied, check_trace
+from interlace.trace import InterventionError, TraceResult, WorkerDied, check_trace, programs_by_value
 
 
 class RequestRefused(RuntimeError):
@@ -127,12 +127,11 @@ class Remote:
     def encode(self, trace: Trace) -> dict[str, Any]:
         """The trace as the JSON body of ``POST /v1/traces`` (checked against the model first)."""
         from interlace.cluster.http_api import HttpOp, InvokeRequest, TraceRequest
-        from interlace.cluster_client import _programs_by_value
 
         check_trace(trace.invokes, trace.settings, self.tree)  # the very checks Model makes
         settings = dict(trace.settings)
         invokes = []
-        with _programs_by_value(inv.program for inv in trace.invokes):
+        with programs_by_value(inv.program for inv in trace.invokes):
             for inv in trace.invokes:
                 program = None
                 if inv.program is not None:

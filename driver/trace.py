@@ -7,9 +7,14 @@ tensors work from scripts and notebooks alike.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import sys
+import sysconfig
+import threading
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import cloudpickle
@@ -103,6 +108,33 @@ class WorkerDied(RuntimeError):
     for the next one."""
 
 
+_BY_VALUE = threading.Lock()
+_INSTALLED = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+
+
+@contextlib.contextmanager
+def programs_by_value(programs: Iterable[Callable | None]):
+    """Pickle the programs' own modules by value while encoding: an engine's ranks under Ray's
+    executor, a replica's processes and a server cannot import a user's script or test module
+    (installed packages, interlace included, stay by reference: every node has them)."""
+    modules = set()
+    for program in programs:
+        module = sys.modules.get(getattr(program, "__module__", None) or "")
+        path = getattr(module, "__file__", None)
+        if module is not None and path and module.__name__ != "__main__" and not module.__name__.startswith("interlace") \
+                and not str(Path(path).resolve()).startswith(_INSTALLED):
+            modules.add(module)
+    with _BY_VALUE:
+        modules -= {m for m in modules if m.__name__ in cloudpickle.list_registry_pickle_by_value()}  # the caller's own
+        for module in modules:
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            yield
+        finally:
+            for module in modules:
+                cloudpickle.unregister_pickle_by_value(module)
+
+
 def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: float,
                     max_save_bytes: int) -> list[InvokePayload | None]:
     """What each intervened invoke's request carries to the workers (None: plain request);
@@ -110,24 +142,25 @@ def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: 
     pickled: dict[int, tuple[bytes, str]] = {}  # one pickle per distinct program object
     pickled_ops: dict[str, bytes] = {}  # and per distinct list of ops (a sweep's steering vector once, not per invoke)
     payloads: list[InvokePayload | None] = []
-    for index, inv in enumerate(invokes):
-        if not inv.intervened:
-            payloads.append(None)
-            continue
-        program_bytes = key = None
-        if inv.program is not None:
-            if id(inv.program) not in pickled:
-                data = cloudpickle.dumps(inv.program)
-                pickled[id(inv.program)] = (data, hashlib.sha256(data).hexdigest()[:16])
-            program_bytes, key = pickled[id(inv.program)]
-        ops_key = "+".join(op["key"] for op in inv.ops)  # ops are data: equal keys, equal ops
-        if ops_key not in pickled_ops:
-            pickled_ops[ops_key] = cloudpickle.dumps(inv.ops)
-        payloads.append(InvokePayload(
-            trace=trace_id, invoke=index, program=program_bytes, program_key=key,
-            batched=bool(getattr(inv.program, "__interlace_batched__", False)),
-            ops=pickled_ops[ops_key], ops_key=ops_key, steps=inv.steps, sink=sink,
-            timeout_s=timeout_s, max_save_bytes=max_save_bytes))
+    with programs_by_value(inv.program for inv in invokes):
+        for index, inv in enumerate(invokes):
+            if not inv.intervened:
+                payloads.append(None)
+                continue
+            program_bytes = key = None
+            if inv.program is not None:
+                if id(inv.program) not in pickled:
+                    data = cloudpickle.dumps(inv.program)
+                    pickled[id(inv.program)] = (data, hashlib.sha256(data).hexdigest()[:16])
+                program_bytes, key = pickled[id(inv.program)]
+            ops_key = "+".join(op["key"] for op in inv.ops)  # ops are data: equal keys, equal ops
+            if ops_key not in pickled_ops:
+                pickled_ops[ops_key] = cloudpickle.dumps(inv.ops)
+            payloads.append(InvokePayload(
+                trace=trace_id, invoke=index, program=program_bytes, program_key=key,
+                batched=bool(getattr(inv.program, "__interlace_batched__", False)),
+                ops=pickled_ops[ops_key], ops_key=ops_key, steps=inv.steps, sink=sink,
+                timeout_s=timeout_s, max_save_bytes=max_save_bytes))
     return payloads
 
 

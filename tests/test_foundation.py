@@ -94,3 +94,50 @@ def test_async_engine_generates():
 
     tokens = asyncio.run(main())
     assert len(tokens) == 4
+
+
+def test_a_program_from_a_users_own_module_reaches_ranks_that_cannot_import_it(tmp_path, monkeypatch):
+    """Ranks under vLLM's Ray executor, a cluster's replicas and a server have no path to the
+    user's scripts or test modules: programs defined in one travel by value (an engine's ranks
+    under the multiprocessing executor inherit the path, which hid this)."""
+    import subprocess
+    import sys
+
+    from interlace.trace import Invoke, encode_payloads
+
+    (tmp_path / "my_study.py").write_text("SCALE = 3\n\ndef steer(m):\n    m.layers[1].resid[:] *= SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_study
+
+    [payload] = encode_payloads([Invoke("hi", program=my_study.steer)], "t", "", 60.0, 1 << 20)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, cloudpickle; f = cloudpickle.loads(sys.stdin.buffer.read()); "
+                               "print(f.__name__, f.__globals__['SCALE'])"],
+        input=payload.program, capture_output=True, cwd=elsewhere, timeout=60)
+    assert loaded.returncode == 0, loaded.stderr.decode()[-2000:]
+    assert loaded.stdout.decode().split() == ["steer", "3"]
+    import cloudpickle
+
+    assert "my_study" not in cloudpickle.list_registry_pickle_by_value()  # none left registered
+
+
+def test_encoding_leaves_a_module_the_caller_registered_by_value_registered(tmp_path, monkeypatch):
+    """A caller that pickles its module by value itself (a sweep's plan does) keeps it so after
+    interlace encodes a trace inside, and no module interlace registered stays registered."""
+    import cloudpickle
+
+    from interlace.trace import Invoke, encode_payloads
+
+    (tmp_path / "own_study.py").write_text("def look(m):\n    m.save('x', m.layers[0].resid)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import own_study
+
+    cloudpickle.register_pickle_by_value(own_study)
+    try:
+        encode_payloads([Invoke("hi", program=own_study.look)], "t", "", 60.0, 1 << 20)
+        assert "own_study" in cloudpickle.list_registry_pickle_by_value()
+    finally:
+        cloudpickle.unregister_pickle_by_value(own_study)
+    assert "own_study" not in cloudpickle.list_registry_pickle_by_value()

@@ -23,7 +23,6 @@ import threading
 import time
 from pathlib import Path
 
-import cloudpickle
 import psutil
 import pyarrow.parquet as pq
 import pytest
@@ -254,13 +253,9 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
     finally:
         sys.path.remove(str(tmp_path))
     good = [i for i, p in enumerate(prompts) if len(p) != 8]
-    cloudpickle.register_pickle_by_value(sweep_programs)  # the engine's workers cannot import it
-    try:
-        with llama.trace(max_tokens=2) as tr:
-            for i in good:
-                tr.invoke(prompts[i], program=sweep_programs.keep_or_fail)
-    finally:
-        cloudpickle.unregister_pickle_by_value(sweep_programs)
+    with llama.trace(max_tokens=2) as tr:  # the engine's workers cannot import sweep_programs: sent by value
+        for i in good:
+            tr.invoke(prompts[i], program=sweep_programs.keep_or_fail)
     sweep = interlace.open_sweep(out)
     rows, plain = read_plain(out)
     assert [r["prompt_id"] for r in rows] == list(range(204))
