@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from interlace.workers.points import device_index
 from interlace.workers.sharding import ends_in_reduction
 
 _TAPS: "Taps | None" = None  # this process's taps (one model per vLLM worker process)
@@ -268,7 +269,7 @@ class TappedSaves:
         self.where = ", ".join(sorted({str(point) for point, _step_op in members}))
         taps_of = np.array([taps.index[point.module] for point, _step_op in members], dtype=np.int64)
         flat = (taps_of[:, None] * taps.max_tokens + first.rows[None, :]).reshape(-1)  # rows of saved as [taps*tokens, hidden]
-        self.index = torch.from_numpy(flat).to(taps.saved.device)
+        self.index = device_index(torch.from_numpy(flat), taps.saved.device)  # a blocking copy would wait for the GPU
         self.shape = (len(members), len(first.rows), taps.hidden_size)
 
     def gather(self, saved: torch.Tensor) -> list[torch.Tensor]:
