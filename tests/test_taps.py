@@ -231,6 +231,49 @@ def test_a_compiled_engine_runs_ops_at_taps_inside_its_graphs_exactly(compiled_t
     assert plain == oracle.greedy(ids, 6)
 
 
+@pytest.mark.gpu
+def test_ops_at_taps_apply_in_forwards_larger_than_any_captured_graph(compiled_tapped, oracles):
+    """vLLM runs a batch past its largest capture size through the compiled code without a graph,
+    which calls the tap ops' Python; they skip their work only in steps that set no rows
+    (Taps._idle), so a 3 x 250-token prefill with ops still runs them."""
+    oracle = oracles["tiny-llama"]
+    prompts = [[3 + (7 * i + 31 * k) % 250 for i in range(250)] for k in range(3)]
+    steer = vector(11) * 2
+    hooks = {oracle.layers[1]: lambda h: h + steer}
+    with compiled_tapped.trace(max_tokens=2, ignore_eos=True) as tr:
+        for ids in prompts:
+            tr.invoke(ids, ops=[ops.add("layers.1.resid", steer), ops.save("layers.2.resid", name="after")])
+    for ids, out in zip(prompts, tr.result):
+        want = oracle.run(ids + out.token_ids[:-1], hooks)["resid"][2]
+        torch.testing.assert_close(out.saves["after"], want, atol=ATOL, rtol=ATOL)
+    plain = compiled_tapped.generate(prompts[0], max_tokens=2, ignore_eos=True)  # idle taps: no edit left
+    assert plain.token_ids == oracle.greedy(prompts[0], 2)
+
+
+def test_a_tap_in_a_step_without_ops_passes_its_values_through_and_records_nothing():
+    """The fast path of a tap op called where no graph was captured (Taps._idle) against the full
+    path, on this machine's device: same values out when no row is set, and the set rows edited."""
+    from interlace.workers import taps as taps_module
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    taps = taps_module.Taps(["model.layers.1"], {("model.layers.1", "resid")}, HIDDEN, max_tokens=8,
+                            max_vectors=2, dtype=torch.float32, device=device)
+    hidden, residual = torch.randn(4, HIDDEN, device=device), torch.randn(4, HIDDEN, device=device)
+    out_hidden, out_residual = taps.run(hidden, residual, 0)
+    assert torch.equal(out_hidden, hidden) and torch.equal(out_residual, residual)
+    assert out_hidden.data_ptr() != hidden.data_ptr()  # a custom op may not return its input
+    assert taps.ran.tolist() == [0] and not taps.saved.any()
+    taps.control[1, 0, taps_module._EDITED] = 1.0  # row 1: scale by 2 (what fill() sets for ops.scale)
+    taps.control[1, 0, taps_module._MUL] = 2.0
+    taps._dirty = 2
+    out_hidden, out_residual = taps.run(hidden, residual, 0)
+    assert taps.ran.tolist() == [1]
+    torch.testing.assert_close(out_hidden[1], (hidden[1] + residual[1]) * 2)
+    assert not out_residual[1].any()
+    assert torch.equal(out_hidden[[0, 2, 3]], hidden[[0, 2, 3]])
+    torch.testing.assert_close(taps.saved[0, 1], hidden[1] + residual[1])  # saved before the edit
+
+
 def _output_taps_match_transformers(model, oracle, atol: float) -> None:
     """An add at an MLP's output and a scale at an attention output, run in their taps (every step
     counted as a tap step), against transformers with the same edits in forward hooks."""

@@ -38,7 +38,8 @@ class InterlaceWorkerExtension:
         """This rank's ``graph_steps``: on a compiled engine, the steps since start-up that replayed
         vLLM's graphs, ran ops in graph taps, or ran eager (those that intervened otherwise; None
         on an eager engine); and ``taps``: on an engine with graph taps, the steps whose ops ran
-        through them and the forwards through each tap (by module name; None without taps)."""
+        through them and the forwards that ran each tap's ops (by module name; every graph replay
+        does; None without taps)."""
         inter = self.model_runner._interlace
         taps = None
         if inter.taps is not None:
