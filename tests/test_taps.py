@@ -13,6 +13,7 @@ import asyncio
 import os
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -234,8 +235,8 @@ def test_a_compiled_engine_runs_ops_at_taps_inside_its_graphs_exactly(compiled_t
 @pytest.mark.gpu
 def test_ops_at_taps_apply_in_forwards_larger_than_any_captured_graph(compiled_tapped, oracles):
     """vLLM runs a batch past its largest capture size through the compiled code without a graph,
-    which calls the tap ops' Python; they skip their work only in steps that set no rows
-    (Taps._idle), so a 3 x 250-token prefill with ops still runs them."""
+    which calls the tap ops' Python; they skip work only where their step asks for none
+    (Taps._work), so a 3 x 250-token prefill with ops still runs them."""
     oracle = oracles["tiny-llama"]
     prompts = [[3 + (7 * i + 31 * k) % 250 for i in range(250)] for k in range(3)]
     steer = vector(11) * 2
@@ -250,28 +251,41 @@ def test_ops_at_taps_apply_in_forwards_larger_than_any_captured_graph(compiled_t
     assert plain.token_ids == oracle.greedy(prompts[0], 2)
 
 
-def test_a_tap_in_a_step_without_ops_passes_its_values_through_and_records_nothing():
-    """The fast path of a tap op called where no graph was captured (Taps._idle) against the full
-    path, on this machine's device: same values out when no row is set, and the set rows edited."""
+def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
+    """A tap op called where no graph was captured (Taps._work) against the whole path, on this
+    machine's device: a step that asks nothing passes values through and records nothing; one
+    that asks only saves records the stream as the whole path would; an edit edits its rows."""
+    import numpy as np
+
     from interlace.workers import taps as taps_module
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    taps = taps_module.Taps(["model.layers.1"], {("model.layers.1", "resid")}, HIDDEN, max_tokens=8,
+    taps = taps_module.Taps(["model.layers.1", "model.layers.2"],
+                            {("model.layers.1", "resid"), ("model.layers.2", "resid")}, HIDDEN, max_tokens=8,
                             max_vectors=2, dtype=torch.float32, device=device)
     hidden, residual = torch.randn(4, HIDDEN, device=device), torch.randn(4, HIDDEN, device=device)
-    out_hidden, out_residual = taps.run(hidden, residual, 0)
+
+    def step(kind: str, rows: list[int], value=None):  # one op at layer 1, as the interleaver hands it over
+        op = SimpleNamespace(rows=np.array(rows, dtype=np.int64), op={"op": kind, "value": value, "key": kind})
+        taps.fill({("model.layers.1", "resid"): [(None, op)]})
+        return taps.run(hidden, residual, 0), taps.run(hidden, residual, 1)
+
+    (out_hidden, out_residual), _ = step("save", [])  # no rows this step: nothing asked
     assert torch.equal(out_hidden, hidden) and torch.equal(out_residual, residual)
     assert out_hidden.data_ptr() != hidden.data_ptr()  # a custom op may not return its input
-    assert taps.ran.tolist() == [0] and not taps.saved.any()
-    taps.control[1, 0, taps_module._EDITED] = 1.0  # row 1: scale by 2 (what fill() sets for ops.scale)
-    taps.control[1, 0, taps_module._MUL] = 2.0
-    taps._dirty = 2
-    out_hidden, out_residual = taps.run(hidden, residual, 0)
-    assert taps.ran.tolist() == [1]
+    assert taps.ran.tolist() == [0, 0] and not taps.saved.any()
+    (out_hidden, out_residual), _ = step("save", [1, 2])
+    assert torch.equal(out_hidden, hidden) and torch.equal(out_residual, residual)
+    assert taps.ran.tolist() == [1, 0] and torch.equal(taps.saved[0, :4], hidden + residual)
+    assert not taps.saved[1].any()  # layer 2 was asked nothing
+    (out_hidden, out_residual), _ = step("scale", [1], 2.0)
+    assert taps.ran.tolist() == [2, 0]
     torch.testing.assert_close(out_hidden[1], (hidden[1] + residual[1]) * 2)
     assert not out_residual[1].any()
     assert torch.equal(out_hidden[[0, 2, 3]], hidden[[0, 2, 3]])
-    torch.testing.assert_close(taps.saved[0, 1], hidden[1] + residual[1])  # saved before the edit
+    taps.clear()
+    (out_hidden, _), _ = step("save", [])
+    assert torch.equal(out_hidden, hidden) and taps.ran.tolist() == [2, 0]
 
 
 def _output_taps_match_transformers(model, oracle, atol: float) -> None:

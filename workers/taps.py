@@ -47,6 +47,7 @@ from interlace.workers.sharding import ends_in_reduction
 
 _TAPS: "Taps | None" = None  # this process's taps (one model per vLLM worker process)
 _EDITED, _MUL, _ROW, _SETS, _AFTER = range(5)  # the columns of a tap's control rows
+_IDLE, _SAVES, _EDITS = range(3)  # what a step asks of a tap: nothing, saves only, an edit (saves or not)
 EDITING = ("add", "scale", "replace", "zero")
 
 
@@ -96,6 +97,7 @@ class Taps:
         self._to_clear = 0  # rows of the host copy that hold them (cleared once copied)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._filled: list = []  # the StepOps the device rows were set from
+        self._asked = [_IDLE] * len(local)  # what this step asks of each tap (a forward no graph captures reads it)
         self._vector_rows: dict[str, list[int]] = {}  # op key -> [row, holders]
         self._free_rows = list(range(max_vectors - 1, 0, -1))
 
@@ -109,28 +111,40 @@ class Taps:
                 or (self._on_gpu and torch.cuda.is_current_stream_capturing()))
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._idle(hidden):  # a custom op may not return its inputs: copies, not the ~14 kernels below
+        asked = self._work(hidden, index)
+        if asked == _SAVES:  # the stream as the full path below computes it for rows it leaves alone
+            torch.add(hidden, residual, out=self.saved[index, : hidden.shape[0]])
+            self.ran[index] += 1
+        if asked != _EDITS:  # a custom op may not return its inputs: copies, not the ~14 kernels below
             return hidden.clone(), residual.clone()
         keep, edit = self._apply(hidden + residual, index)
         return torch.where(keep, hidden, edit), torch.where(keep, residual, torch.zeros_like(residual))
 
     def run_output(self, value: torch.Tensor, index: int) -> torch.Tensor:
-        if self._idle(value):
+        asked = self._work(value, index)
+        if asked == _SAVES:
+            self.saved[index, : value.shape[0]].copy_(value)
+            self.ran[index] += 1
+        if asked != _EDITS:
             return value.clone()
         keep, edit = self._apply(value, index)
         return torch.where(keep, value, edit)
 
-    def _idle(self, stream: torch.Tensor) -> bool:
-        """Whether this call of a tap op has nothing to do: a forward that no graph captures (vLLM
-        runs batches larger than its largest capture size, 512 tokens by default, and every
-        large prefill through the compiled code without a graph, which calls this op's Python
-        each time) in a step that set no rows, or rows past the scheduler's budget, which no op
-        selects. On one H200, 1,024 prompts of plain traffic ran at 0.80x plain vLLM with 5 taps
-        doing their whole work in such forwards, and at 1.02x with no taps declared
-        (bench/none_probe.py, 2026-11-26)."""
+    def _work(self, stream: torch.Tensor, index: int) -> int:
+        """What this call of a tap op must do. A captured graph serves every later step, so a
+        capture does everything. Elsewhere the op runs only in forwards that no graph captures
+        (vLLM runs batches past its largest capture size, 512 tokens by default, and large
+        prefills through the compiled code without a graph, calling this op's Python each time),
+        and does only what the step asks of this tap: nothing, saves, or the whole path. On one
+        H200, plain traffic of 1,024 prompts ran at 0.80x plain vLLM with 5 taps doing their whole
+        work in such forwards, at 1.02x with no taps declared, and at 1.08x once taps with nothing
+        asked only copied their inputs (bench/none_probe.py, 2026-11-26). Rows past the
+        scheduler's budget are no step's: no op selects them."""
         if stream.shape[0] > self.max_tokens:
-            return True
-        return self._dirty == 0 and not (self._on_gpu and torch.cuda.is_current_stream_capturing())
+            return _IDLE
+        if self._on_gpu and torch.cuda.is_current_stream_capturing():
+            return _EDITS
+        return self._asked[index]
 
     def _apply(self, stream: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Which rows of ``stream`` stay as they are, and what the edited ones become; saves each
@@ -223,12 +237,14 @@ class Taps:
         host = self._writable_host()
         # From here a failure leaves nothing behind: clear() clears and copies every row written.
         copy, self._to_clear, self._dirty = max(self._dirty, used), used, max(self._dirty, used)
-        self._filled = []
+        self._filled, self._asked = [], [_IDLE] * len(self._asked)
         for (module, _family), at_hook in ops_by_hook.items():
             index = self.index[module]
             for _point, step_op in at_hook:
                 rows, op = step_op.rows, step_op.op
                 kind = op["op"]
+                if len(rows):
+                    self._asked[index] = max(self._asked[index], _SAVES if kind == "save" else _EDITS)
                 if kind == "save":  # after its own invoke's edit, if that came first (can_run)
                     host[rows, index, _AFTER] = host[rows, index, _EDITED]
                     continue
@@ -243,7 +259,7 @@ class Taps:
 
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
-        self._filled = []
+        self._filled, self._asked = [], [_IDLE] * len(self._asked)
         if self._dirty:
             self._writable_host()
             self._copy(self._dirty)
