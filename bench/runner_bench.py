@@ -23,7 +23,7 @@ machine's drift, which between separate runs was larger than the effects measure
 the `none` case served them from the prefix cache while intervened requests, which bypass it,
 computed every prompt token: an advantage for plain vLLM of about 2 prefill steps per run.)
 
-Usage: python bench/runner_bench.py [--n 256] [--in 128] [--out 128] [--tp 1] [--pp 1]
+Usage: python bench/runner_bench.py [--n 256[,1024...]] [--in 128] [--out 128] [--tp 1] [--pp 1]
        [--cases a,b] [--repeats 3] [--graphs [--eager-too]] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
        python bench/runner_bench.py --kv-clear [--n 256] [--in 128] [--out 128] [--tiny]
 Prints one JSON line per pair, then a table. ``--kv-clear`` times only what clearing intervened
@@ -200,7 +200,7 @@ def kv_clear_cost(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--n", default="256", help="prompts per trace; several sizes (256,1024) run on the same engines")
     parser.add_argument("--in", dest="inp", type=int, default=128)
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--tp", type=int, default=1)
@@ -214,6 +214,8 @@ def main() -> None:
     parser.add_argument("--eager-too", action="store_true", help="with --graphs: a third engine, interlace eager (the "
                         "default), runs every case on the same prompts right after the compiled one, against the same plain run")
     args = parser.parse_args()
+    args.sizes = [int(n) for n in str(args.n).split(",")]
+    args.n = args.sizes[0]  # --kv-clear's
     if args.eager_too and not args.graphs:
         parser.error("--eager-too compares an eager interlace engine with a compiled one: give --graphs")
     if args.kv_clear:
@@ -230,7 +232,21 @@ def main() -> None:
     model = interlace.Model(cfg.model_copy(update={"graph_taps": graph_taps(hf.num_hidden_layers) if args.graphs else []}))
     eager = interlace.Model(config(argparse.Namespace(**{**vars(args), "graphs": False}))) if args.eager_too else None
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
-    data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
+    seeds = itertools.count(1)  # one stream for every size: no pair sees another's prompts (prefix cache)
+    for n in args.sizes:
+        run_size(args, n, plain, model, eager, cases, min(1000, hf.vocab_size), cfg, seeds)
+    graph_steps = model.step_counts()[0]["graph_steps"]
+    if graph_steps is not None:
+        print(f"interlace engine steps (rank 0): {graph_steps}")
+    model.close()
+    if eager is not None:
+        eager.close()
+    plain.llm_engine.engine_core.shutdown()
+
+
+def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, seeds) -> None:
+    """Every case at ``n`` prompts, paired with plain vLLM round by round; prints a table."""
+    data = prompts(n, args.inp, vocab)
     run_plain(plain, data, args.out)  # warm-ups at full size: kernels compile per batch shape
     run_interlace(model, data, args.out, cases["ops-steer1"])
     if eager is not None:
@@ -240,7 +256,6 @@ def main() -> None:
     ratios: dict[str, list[float]] = {name: [] for name in names}
     eager_ratios: dict[str, list[float]] = {name: [] for name in names}  # --eager-too
     plain_rates: dict[str, list[float]] = {name: [] for name in names}
-    seeds = itertools.count(1)
     # Round by round over the cases, and within a pair plain first in even rounds and interlace
     # first in odd ones: the machine's drift then falls on every case alike, and on both engines.
     for round_ in range(args.repeats):
@@ -248,7 +263,7 @@ def main() -> None:
             # New prompts for every pair, the same for both engines: prompts seen before would be
             # served from plain vLLM's prefix cache (an intervened request's prompt never is: its
             # hooks must see every token), which is not the workload of N new prompts.
-            fresh = prompts(args.n, args.inp, min(1000, hf.vocab_size), seed=next(seeds))
+            fresh = prompts(n, args.inp, vocab, seed=next(seeds))
             if round_ % 2 == 0:
                 p_seconds, p_tokens = run_plain(plain, fresh, args.out)
             i_seconds, i_tokens, saved_mib = run_interlace(model, fresh, args.out, cases[name])
@@ -262,17 +277,14 @@ def main() -> None:
             if eager is not None:
                 eager_ratios[name].append((e_tokens / e_seconds) / plain_rates[name][-1])
                 extra = {"eager_interlace_s": round(e_seconds, 3), "eager_ratio": round(eager_ratios[name][-1], 3)}
-            print(json.dumps({"case": name, "round": round_, "plain_s": round(p_seconds, 3),
+            print(json.dumps({"n": n, "case": name, "round": round_, "plain_s": round(p_seconds, 3),
                               "interlace_s": round(i_seconds, 3), "tokens": i_tokens,
                               "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1), **extra}), flush=True)
     table = [(name, statistics.median(plain_rates[name]), statistics.median(ratios[name]), min(ratios[name]),
               max(ratios[name])) for name in names]
 
     where = f"TP={args.tp} PP={args.pp}, {'CUDA graphs' if args.graphs else 'eager'}, {cfg.dtype}, {cfg.name}"
-    graph_steps = model.step_counts()[0]["graph_steps"]
-    if graph_steps is not None:
-        print(f"interlace engine steps (rank 0): {graph_steps}")
-    print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {where}; {args.repeats} pairs per case")
+    print(f"\n{n} prompts x {args.inp} in / {args.out} out, {where}; {args.repeats} pairs per case")
     print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'min':>6} {'max':>6}"
           + (f" {'eager interlace x plain':>24} {'min':>6} {'max':>6}" if eager is not None else ""))
     for name, rate, median, low, high in table:
@@ -280,10 +292,6 @@ def main() -> None:
         if eager is not None:
             row += f" {statistics.median(eager_ratios[name]):24.2f} {min(eager_ratios[name]):6.2f} {max(eager_ratios[name]):6.2f}"
         print(row)
-    model.close()
-    if eager is not None:
-        eager.close()
-    plain.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":
