@@ -80,11 +80,8 @@ def main() -> None:
         for round_ in range(args.repeats):
             for name in names:
                 fresh = rb.prompts(n, args.inp, vocab, seed=next(seeds))
-                if round_ % 2 == 0:
-                    p_seconds, p_tokens = rb.run_plain(plain, fresh, args.out)
-                seconds, tokens = run(name, fresh)
-                if round_ % 2 == 1:
-                    p_seconds, p_tokens = rb.run_plain(plain, fresh, args.out)
+                (p_seconds, p_tokens), [(seconds, tokens)] = rb.paired(
+                    round_, lambda: rb.run_plain(plain, fresh, args.out), [lambda: run(name, fresh)])
                 ratios[name].append((tokens / seconds) / (p_tokens / p_seconds))
                 print(json.dumps({"n": n, "variant": name, "round": round_, "plain_s": round(p_seconds, 3),
                                   "variant_s": round(seconds, 3), "ratio": round(ratios[name][-1], 3)}), flush=True)

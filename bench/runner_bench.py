@@ -41,6 +41,7 @@ import os
 import random
 import statistics
 import time
+from typing import Callable
 
 MODEL_DIR = "/tmp/interlace-bench-llama1b"
 
@@ -152,6 +153,14 @@ def run_plain(llm, data, out: int) -> tuple[float, int]:
     return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in result)
 
 
+def paired(round_: int, plain: Callable[[], tuple], others: list[Callable[[], tuple]]) -> tuple[tuple, list[tuple]]:
+    """One timed pair (or more): plain vLLM first in even rounds and last in odd ones, so the
+    machine's drift falls on both sides alike. Returns plain's result and the others'."""
+    first = plain() if round_ % 2 == 0 else None
+    results = [run() for run in others]
+    return (first if first is not None else plain()), results
+
+
 def run_interlace(model, data, out: int, case: dict) -> tuple[float, int, float]:
     started = time.perf_counter()
     with model.trace(max_tokens=out, ignore_eos=True, timeout_s=3600) as tr:
@@ -256,22 +265,21 @@ def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, se
     ratios: dict[str, list[float]] = {name: [] for name in names}
     eager_ratios: dict[str, list[float]] = {name: [] for name in names}  # --eager-too
     plain_rates: dict[str, list[float]] = {name: [] for name in names}
-    # Round by round over the cases, and within a pair plain first in even rounds and interlace
-    # first in odd ones: the machine's drift then falls on every case alike, and on both engines.
+    # Round by round over the cases (see paired): the machine's drift falls on every case alike.
     for round_ in range(args.repeats):
         for name in names:
             # New prompts for every pair, the same for both engines: prompts seen before would be
             # served from plain vLLM's prefix cache (an intervened request's prompt never is: its
             # hooks must see every token), which is not the workload of N new prompts.
             fresh = prompts(n, args.inp, vocab, seed=next(seeds))
-            if round_ % 2 == 0:
-                p_seconds, p_tokens = run_plain(plain, fresh, args.out)
-            i_seconds, i_tokens, saved_mib = run_interlace(model, fresh, args.out, cases[name])
-            extra = {}
+            others = [lambda: run_interlace(model, fresh, args.out, cases[name])]
             if eager is not None:
-                e_seconds, e_tokens, _ = run_interlace(eager, fresh, args.out, cases[name])
-            if round_ % 2 == 1:
-                p_seconds, p_tokens = run_plain(plain, fresh, args.out)
+                others.append(lambda: run_interlace(eager, fresh, args.out, cases[name]))
+            (p_seconds, p_tokens), [(i_seconds, i_tokens, saved_mib), *rest] = paired(
+                round_, lambda: run_plain(plain, fresh, args.out), others)
+            extra = {}
+            if rest:
+                [(e_seconds, e_tokens, _)] = rest
             plain_rates[name].append(p_tokens / p_seconds)
             ratios[name].append((i_tokens / i_seconds) / plain_rates[name][-1])
             if eager is not None:
