@@ -200,6 +200,8 @@ class Replica:
         or left in the folder when the driver is on this node (:class:`SavesOnNode`)."""
         import ray
 
+        from interlace.workers.sink import discard
+
         watcher = await self._watch(task, expected)
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
         saving = [r for r in reports if r.saves]
@@ -211,7 +213,7 @@ class Replica:
             ref = ray.put([_compact(r.saves) for r in saving])
             for index, report in enumerate(saving):
                 report.saves = SavesRef(ref, index)
-        shutil.rmtree(watcher.folder, ignore_errors=True)
+        discard(watcher.folder)
         return reports
 
     async def run_here(self, task: ShardTask) -> ShardOutcome:
@@ -246,6 +248,7 @@ class Replica:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from interlace.assembly import ReportWatcher, build_requests
+        from interlace.workers.sink import discard
 
         engine = await self._engine_up()
         wire = task.wire_trace
@@ -308,14 +311,16 @@ class Replica:
         finally:
             for p in pumps:
                 p.cancel()
-            shutil.rmtree(watcher.folder, ignore_errors=True)
+            discard(watcher.folder)
             self.in_flight -= 1
             self.shards_served += 1
 
     def _take_reports(self, task: ShardTask, watcher) -> list[Report]:
+        from interlace.workers.sink import discard
+
         # The saves view private mappings of the files removed here, which stay valid.
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
-        shutil.rmtree(watcher.folder, ignore_errors=True)
+        discard(watcher.folder)
         return reports
 
     def _die(self, why: str) -> None:

@@ -37,7 +37,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
-import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -374,7 +373,7 @@ def _saves_on_node(reports) -> dict | None:
     """The saves of reports whose replica left them in its folder on this node, mapped (not
     copied, as Model reads them), by (folder, invoke, stage); the folders are removed (the mapping
     outlives them). None: a folder is gone (its replica's process ended)."""
-    from interlace.workers.sink import read_new_reports
+    from interlace.workers.sink import discard, read_new_reports
 
     folders = {r.saves.folder for r in reports if isinstance(r.saves, SavesOnNode)}
     found = {}
@@ -383,7 +382,7 @@ def _saves_on_node(reports) -> dict | None:
             return None
         for raw in read_new_reports(Path(folder), set()):
             found[folder, raw["invoke"], raw["stage"]] = raw["saves"]
-        shutil.rmtree(folder, ignore_errors=True)
+        discard(Path(folder))
     return found
 
 

@@ -45,6 +45,7 @@ from interlace.trace import (
 )
 from interlace.wire import Completion, Report
 from interlace.workers.points import ModuleTree
+from interlace.workers.sink import discard
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
 _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
@@ -215,8 +216,7 @@ class Model:
         reports: dict[int, list[dict]] = {}
         for report in watcher.reports:
             reports.setdefault(report["invoke"], []).append(report)
-        folder = watcher.folder
-        shutil.rmtree(folder, ignore_errors=True)
+        discard(watcher.folder)
         for invoke_reports in reports.values():
             invoke_reports.sort(key=lambda r: r["stage"])
         return reports

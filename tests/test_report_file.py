@@ -173,6 +173,47 @@ def test_reserving_ahead_lets_the_engine_thread_run(tmp_path):
     pytest.fail(f"the longest pause while reserving was not under half of mmap.madvise's: {pauses}")
 
 
+def test_a_read_folder_is_discarded_without_waiting_for_its_data_file_to_be_truncated(tmp_path):
+    """After the last report, the rank truncates the trace's data file (giving back pages it
+    reserved ahead and no batch used) while the reader removes the folder; removing the file waits
+    for the truncation, so the reader hands that to a thread of its own. Against shutil.rmtree in
+    the same place, in any of three tries; the folder goes, and the saves read from it stay."""
+    import shutil
+
+    from interlace.workers.sink import discard
+
+    taken = _taken()
+    expected = taken.assemble()
+    waits = []  # (discard's, rmtree's) per attempt
+    for attempt in range(3):
+        timings = []
+        for remove in (discard, lambda folder: shutil.rmtree(folder)):
+            trace = f"t{attempt}-{len(timings)}"
+            sink = DirSink(str(tmp_path))
+            sink.reserve(trace, 0, 256 << 20)  # ahead, far more than the batch uses
+            with sink.batch(trace, 0) as batch:
+                batch.finish([_report(i, s) for i, s in enumerate(taken.assemble(batch.allocate))])
+            back = read_new_reports(tmp_path / trace, set())
+            closing = threading.Thread(target=sink.close, args=(trace, 0))
+            closing.start()
+            time.sleep(0.002)  # the truncation is under way
+            started = time.perf_counter()
+            remove(tmp_path / trace)
+            timings.append(time.perf_counter() - started)
+            closing.join()
+            assert not (tmp_path / trace).exists()
+            assert torch.equal(back[2]["saves"]["probs"], expected[2]["probs"])
+        waits.append(tuple(timings))
+        if timings[0] < 0.5 * timings[1]:
+            break
+    else:
+        pytest.fail(f"discarding the folder was not under half of rmtree's wait: {waits}")
+    deadline = time.monotonic() + 10
+    while any(tmp_path.glob(".discarded-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(tmp_path.glob(".discarded-*")), "the discarded folder was never removed"
+
+
 def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
     """A stream's watcher runs while its invokes generate, however long: a report counts against
     the grace only from the moment its invoke finished (before, a stream generating for longer

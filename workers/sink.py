@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -84,6 +86,22 @@ def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
             seen.add(path.name)
             reports += read_report_file(path)
     return reports
+
+
+def discard(folder: Path) -> None:
+    """Remove a trace's folder once its reports are read, without waiting for it. The rank that
+    wrote them may still be truncating the trace's data file (giving back the pages it reserved
+    ahead and no batch used), and removing the file waits for that: about 35 ms per 128 MiB of
+    /dev/shm on a 2-core CPU and an H100 host alike, after the trace's last report, which was the
+    caller's time. Saves read from the folder stay valid: their mappings outlive it."""
+    hidden = folder.with_name(f".discarded-{folder.name}")
+    try:
+        os.rename(folder, hidden)  # the name is free at once; the files go in the background
+    except FileNotFoundError:
+        return
+    except OSError:  # e.g. a discarded folder of that name is still being removed
+        hidden = folder
+    threading.Thread(target=shutil.rmtree, args=(hidden, True), name="interlace-discard", daemon=True).start()
 
 
 def writing_reports(root: Path) -> bool:
