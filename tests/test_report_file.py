@@ -214,6 +214,58 @@ def test_a_read_folder_is_discarded_without_waiting_for_its_data_file_to_be_trun
     assert not any(tmp_path.glob(".discarded-*")), "the discarded folder was never removed"
 
 
+def _mappings_of(path) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if str(path) in line]
+
+
+def test_dropping_read_results_leaves_freeing_their_pages_to_a_thread(tmp_path):
+    """Once a trace's files are removed, whoever unmaps the data file last frees its pages: about
+    60 ms per 512 MiB on a 2-core CPU, wherever results are dropped (a sweep's loop, a replica's
+    event loop). Results read from a report leave that to a thread: dropping them takes under half
+    the time of dropping a plain private mapping of the same file, in any of three tries, and no
+    mapping of the file is left afterwards (its pages are given back)."""
+    import mmap
+
+    size = 128 << 20
+    rows = torch.ones(size // 4096, 2048, dtype=torch.bfloat16)
+    saves = TakenSaves({"big": [(_chunk("big", rows, [0], [(0, len(rows))]), np.ones(1, dtype=bool))]}, np.array([0]))
+    drops = []  # (ours, plain) per attempt
+    for attempt in range(3):
+        sink = DirSink(str(tmp_path))
+        with sink.batch(f"t{attempt}", 0) as batch:
+            batch.finish([_report(0, s) for s in saves.assemble(batch.allocate)])
+        sink.close(f"t{attempt}", 0)
+        del batch  # the writer's mapping (a rank's), with the rows it wrote
+        back = read_new_reports(tmp_path / f"t{attempt}", set())
+        assert torch.equal(back[0]["saves"]["big"][-1], rows[-1])
+        (data,) = (tmp_path / f"t{attempt}").glob("*.data")
+        for path in (tmp_path / f"t{attempt}").iterdir():
+            path.unlink()
+        started = time.perf_counter()
+        del back
+        ours = time.perf_counter() - started
+
+        plain_path = tmp_path / f"plain{attempt}"
+        with open(plain_path, "w+b") as f:
+            f.write(rows.view(torch.uint8).numpy().tobytes())
+            mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        plain = torch.frombuffer(mapping, dtype=torch.uint8)
+        del mapping
+        plain_path.unlink()
+        started = time.perf_counter()
+        del plain
+        drops.append((ours, time.perf_counter() - started))
+
+        deadline = time.monotonic() + 10
+        while _mappings_of(data) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _mappings_of(data), "the data file is still mapped after its results were dropped"
+        if drops[-1][0] < 0.5 * drops[-1][1]:
+            return
+    pytest.fail(f"dropping read results was not under half of a plain mapping's drop: {drops}")
+
+
 def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
     """A stream's watcher runs while its invokes generate, however long: a report counts against
     the grace only from the moment its invoke finished (before, a stream generating for longer
