@@ -9,7 +9,7 @@ A diagnostic for choosing how saves travel, not a figure against plain vLLM:
     cuda       (with a GPU) pinning a /dev/shm mapping with cudaHostRegister, and device-to-host
                copies into it, into pageable memory and into pinned memory; a device-side gather
 
-Usage: python bench/host_probe.py [--mib 512]
+Usage: python bench/host_probe.py [--mib 512] [--only cuda]
 """
 
 from __future__ import annotations
@@ -156,6 +156,28 @@ def cuda(mib: int) -> None:
     started = time.perf_counter()
     cudart.cudaHostUnregister(shm.data_ptr())
     print(f"  {'cudaHostUnregister':58} {(time.perf_counter() - started) * 1000:9.2f} ms")
+    # A data file is reserved ahead in steps (report_file.DataFile.reserve): registered step by
+    # step, a batch's region may span two registrations. Does a copy across them run pinned?
+    step = nbytes // 8
+    started = time.perf_counter()
+    for offset in range(0, nbytes, step):
+        assert int(cudart.cudaHostRegister(shm.data_ptr() + offset, step, 1)) == 0  # portable
+    print(f"  {'cudaHostRegister in 8 steps (portable)':58} {(time.perf_counter() - started) * 1000:9.2f} ms")
+    try:
+        timed("device -> /dev/shm registered in 8 steps (one copy across)", d2h(shm))
+    except RuntimeError as exc:  # on an H100 host, 2026-11-26: cudaErrorInvalidValue
+        print(f"  {'device -> /dev/shm registered in 8 steps (one copy across)':58} fails: {str(exc).splitlines()[0]}")
+    pieces = [(offset, step) for offset in range(0, nbytes, step)]
+
+    def d2h_pieces():
+        for offset, length in pieces:
+            shm[offset : offset + length].copy_(device[offset : offset + length], non_blocking=True)
+        torch.cuda.synchronize()
+
+    timed("... the same as one copy per registration", d2h_pieces)
+    for offset in range(0, nbytes, step):
+        cudart.cudaHostUnregister(shm.data_ptr() + offset)
+    timed("device -> the same mapping unregistered again", d2h(shm))
     rows = device.view(-1, 4096)
     perm = torch.randperm(rows.shape[0], device="cuda")
     torch.cuda.synchronize()
@@ -189,11 +211,12 @@ def cuda(mib: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--only", choices=("handoffs", "gather", "cuda"), help="one part only")
     args = parser.parse_args()
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}; torch threads {torch.get_num_threads()}")
-    handoffs()
-    gather(args.mib)
-    cuda(args.mib)
+    for name, part in (("handoffs", handoffs), ("gather", lambda: gather(args.mib)), ("cuda", lambda: cuda(args.mib))):
+        if args.only in (None, name):
+            part()
 
 
 if __name__ == "__main__":
