@@ -158,7 +158,7 @@ def _map_private(path: Path, start: int, length: int) -> torch.Tensor:
     fd = os.open(path, os.O_RDONLY)
     try:
         region = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        # Once the folder is removed, whoever unmaps the file last frees its pages: about 60 ms
+        # Once the folder is removed, whoever unmaps the file last frees its pages: about 65 ms
         # per 512 MiB of /dev/shm on a 2-core CPU, which was the caller's time wherever it dropped
         # a trace's results (a sweep's loop, a replica's event loop). A one-page mapping of the
         # file, unmapped on a thread of ours after the results are, takes that over.
@@ -170,7 +170,8 @@ def _map_private(path: Path, start: int, length: int) -> torch.Tensor:
 
 
 _unmapping: "queue.SimpleQueue[mmap.mmap] | None" = None  # served by one thread, started at first use
-_unmapping_lock = threading.Lock()  # finalizers run on whichever thread drops the results
+# Finalizers run on whichever thread drops results, even one holding this lock (a collection there).
+_unmapping_lock = threading.RLock()
 
 
 def _unmap_later(keeper: mmap.mmap) -> None:
