@@ -10,6 +10,7 @@
 #   bash bench/ab_revisions.sh run "86b617c tree 86b617c tree" [ops-save4,prog-save4]
 # Each process starts an engine (about 100 s on a fresh machine, 50 s after) and runs `none` and the
 # cases twice (warm, timed); PER_RUN_S (default 240) bounds each process. Logs: $OUT/ab-<name>.log.
+# BENCH_ARGS are passed on to the bench script, e.g. BENCH_ARGS=--graphs for compiled engines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # lib NAME: that revision's package installed once into /tmp/ab-lib-NAME (the vLLM site unpacked first).
@@ -34,7 +35,7 @@ case "${1:-}" in
     for name in $2; do
       echo "=== $name"
       PYTHONPATH=/tmp/site:$(lib "$name") timeout "${PER_RUN_S:-240}" python3 bench/step_probe.py \
-          --cases "${3:-ops-save4,prog-save4}" 2>&1 | quiet | tee -a "${OUT:-/tmp}/ab-$name.log" \
+          --cases "${3:-ops-save4,prog-save4}" ${BENCH_ARGS:-} 2>&1 | quiet | tee -a "${OUT:-/tmp}/ab-$name.log" \
         | grep -e '^none' -e '^ops' -e '^prog' -e 'runner.execute_model' -e 'Error' || true
     done ;;
   runner)
@@ -43,7 +44,7 @@ case "${1:-}" in
     for name in $2; do
       echo "=== $name $(date +%T)"
       PYTHONPATH=/tmp/site:$(lib "$name") timeout "${PER_RUN_S:-280}" python3 bench/runner_bench.py \
-          --cases "${3:-none,ops-save4,prog-save4,ops-steer1,prog-steer1}" --repeats "${4:-3}" 2>&1 | quiet \
+          --cases "${3:-none,ops-save4,prog-save4,ops-steer1,prog-steer1}" --repeats "${4:-3}" ${BENCH_ARGS:-} 2>&1 | quiet \
         | tee -a "${OUT:-/tmp}/ab-runner-$name.log" | grep -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
     done ;;
   *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" >&2; exit 2 ;;
