@@ -266,6 +266,32 @@ def test_dropping_read_results_leaves_freeing_their_pages_to_a_thread(tmp_path):
     pytest.fail(f"dropping read results was not under half of a plain mapping's drop: {drops}")
 
 
+def test_a_script_that_ends_holding_read_results_exits_quietly(tmp_path):
+    """Results still held when the interpreter exits are left to the system: the thread that gives
+    dropped results back is not started then (Python 3.12 refuses new threads at shutdown, which
+    printed a traceback after the user's script)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import numpy as np, torch
+from interlace.workers.saves import SaveChunk, TakenSaves
+from interlace.workers.sink import DirSink, read_new_reports
+rows = torch.ones(8, 4)
+one = np.array([0])
+saves = TakenSaves({{"x": [(SaveChunk("x", rows, None, one, one, one + 8, 1), np.ones(1, dtype=bool))]}}, one)
+with DirSink({str(tmp_path)!r}).batch("t", 0) as batch:
+    batch.finish([{{"trace": "t", "invoke": 0, "stage": 0, "saves": s, "shared": [], "error": None}}
+                  for s in saves.assemble(batch.allocate)])
+held = read_new_reports(__import__("pathlib").Path({str(tmp_path)!r}) / "t", set())
+assert torch.equal(held[0]["saves"]["x"], rows)
+print("read")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "read", done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
     """A stream's watcher runs while its invokes generate, however long: a report counts against
     the grace only from the moment its invoke finished (before, a stream generating for longer

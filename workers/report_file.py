@@ -165,7 +165,9 @@ def _map_private(path: Path, start: int, length: int) -> torch.Tensor:
         keeper = mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
     finally:
         os.close(fd)
-    weakref.finalize(region, _unmap_later, keeper)  # called after the region's own unmapping
+    # Called after the region's own unmapping; not at exit, where the system unmaps everything and
+    # Python 3.12 refuses to start the thread (a traceback after a script that kept its results).
+    weakref.finalize(region, _unmap_later, keeper).atexit = False
     return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
 
 
