@@ -8,6 +8,9 @@ A diagnostic for choosing how saves travel, not a figure against plain vLLM:
                mapping: indexed copies and strided copies, on 1 and 4 threads; a plain memcpy
     cuda       (with a GPU) pinning a /dev/shm mapping with cudaHostRegister, and device-to-host
                copies into it, into pageable memory and into pinned memory; a device-side gather
+    files      a trace's report files in /dev/shm after its last step: removing the folder while
+               the rank truncates a quarter of it (reserved, unused), with shutil.rmtree and with
+               sink.discard; dropping results read from it, against a plain private mapping
 
 Usage: python bench/host_probe.py [--mib 512] [--only cuda]
 """
@@ -20,6 +23,7 @@ import os
 import tempfile
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -208,13 +212,67 @@ def cuda(mib: int) -> None:
     print(f"  {'... per event':58} {per * 1e6:9.1f} us")
 
 
+def files(mib: int) -> None:
+    import shutil
+
+    import numpy as np
+
+    from interlace.workers.saves import SaveChunk, TakenSaves
+    from interlace.workers.sink import DirSink, discard, read_new_reports
+
+    nbytes = mib * 2**20
+    root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    print(f"files ({mib} MiB of rows, {mib // 4} MiB reserved past them, in {root})")
+    rows = torch.ones(nbytes // 4096, 2048, dtype=torch.bfloat16)
+    one = np.array([0])
+    saves = TakenSaves({"rows": [(SaveChunk("rows", rows, None, one, one, one + len(rows), 1), np.ones(1, dtype=bool))]}, one)
+
+    def trace(name: str) -> list[dict]:
+        """A trace's one batch written and read, as a rank and the driver do."""
+        sink = DirSink(root)
+        sink.reserve(name, 0, nbytes + nbytes // 4)
+        with sink.batch(name, 0) as batch:
+            batch.finish([{"trace": name, "invoke": 0, "stage": 0, "saves": s, "shared": [], "error": None}
+                          for s in saves.assemble(batch.allocate)])
+        back = read_new_reports(Path(root) / name, set())
+        closing = threading.Thread(target=sink.close, args=(name, 0))  # the rank truncates the rest
+        closing.start()
+        time.sleep(0.002)
+        return back, closing
+
+    for label, remove in (("shutil.rmtree", lambda folder: shutil.rmtree(folder)), ("sink.discard", discard)):
+        back, closing = trace(label.replace(".", "-"))
+        started = time.perf_counter()
+        remove(Path(root) / label.replace(".", "-"))
+        print(f"  {'removing the folder while the rank truncates, ' + label:58} {(time.perf_counter() - started) * 1000:9.2f} ms")
+        closing.join()
+        started = time.perf_counter()
+        del back
+        if label == "sink.discard":
+            print(f"  {'dropping the results read from it':58} {(time.perf_counter() - started) * 1000:9.2f} ms")
+    path = Path(root) / "plain"
+    with open(path, "w+b") as f:
+        os.posix_fallocate(f.fileno(), 0, nbytes)
+        mapping = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    plain = torch.frombuffer(mapping, dtype=torch.uint8)
+    del mapping
+    path.unlink()
+    started = time.perf_counter()
+    del plain
+    print(f"  {'dropping a plain private mapping of the same (last user)':58} {(time.perf_counter() - started) * 1000:9.2f} ms")
+    time.sleep(0.5)
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
-    parser.add_argument("--only", choices=("handoffs", "gather", "cuda"), help="one part only")
+    parser.add_argument("--only", choices=("handoffs", "gather", "cuda", "files"), help="one part only")
     args = parser.parse_args()
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}; torch threads {torch.get_num_threads()}")
-    for name, part in (("handoffs", handoffs), ("gather", lambda: gather(args.mib)), ("cuda", lambda: cuda(args.mib))):
+    parts = (("handoffs", handoffs), ("gather", lambda: gather(args.mib)), ("cuda", lambda: cuda(args.mib)),
+             ("files", lambda: files(args.mib)))
+    for name, part in parts:
         if args.only in (None, name):
             part()
 
