@@ -11,8 +11,12 @@ A diagnostic for choosing how saves travel, not a figure against plain vLLM:
     files      a trace's report files in /dev/shm after its last step: removing the folder while
                the rank truncates a quarter of it (reserved, unused), with shutil.rmtree and with
                sink.discard; dropping results read from it, against a plain private mapping
+    maplock    how long another thread of the process waits to map 1 MiB (it needs the memory map
+               lock) while the reporter reserves a data file (one madvise call, against
+               DataFile.reserve's slices) and while a used data file is unmapped (one munmap,
+               against DataFile.close's slices first)
 
-Usage: python bench/host_probe.py [--mib 512] [--only cuda]
+Usage: python bench/host_probe.py [--mib 512] [--only cuda|files|maplock|...]
 """
 
 from __future__ import annotations
@@ -264,14 +268,71 @@ def files(mib: int) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def _longest_map_wait_while(work) -> tuple[float, float]:
+    """``work``'s time, and the longest an anonymous 1 MiB mmap + munmap took in another thread
+    meanwhile (both take the process's memory map lock for writing, as malloc and CUDA do)."""
+    waits, done = [], threading.Event()
+
+    def mapper():
+        while not done.is_set():
+            started = time.perf_counter()
+            mmap.mmap(-1, 1 << 20).close()
+            waits.append(time.perf_counter() - started)
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=mapper)
+    thread.start()
+    time.sleep(0.02)
+    started = time.perf_counter()
+    work()
+    took = time.perf_counter() - started
+    done.set()
+    thread.join()
+    return took, max(waits)
+
+
+def maplock(mib: int) -> None:
+    from interlace.workers import report_file
+    from interlace.workers.report_file import DataFile
+
+    nbytes = mib * 2**20
+    root = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    print(f"maplock ({mib} MiB in {root}; another thread maps 1 MiB every 0.2 ms: longest wait)")
+    for attempt in range(2):
+        for label, slice_ in (("one call", 1 << 40), ("DataFile's slices", report_file._SLICE)):
+            report_file._SLICE = slice_
+            data = DataFile(root / f"{attempt}-{slice_}.data")
+            took, wait = _longest_map_wait_while(lambda: data.reserve(nbytes))
+            print(f"  {'reserving, ' + label:44} {took * 1000:8.1f} ms; longest map wait {wait * 1000:8.2f} ms", flush=True)
+            data.region(nbytes)[1].fill_(1)  # a trace's rows written into it
+            view = data.bytes[:nbytes]
+            started = time.perf_counter()
+            if label == "one call":  # close as it was before the slices: truncate, keep the mapping
+                os.ftruncate(data._fd, data.used)
+                os.close(data._fd)
+                data.bytes = None
+            else:
+                data.close()
+            closing = time.perf_counter() - started
+            holder = [view, data]
+            del view, data
+            took, wait = _longest_map_wait_while(holder.clear)  # the last view goes: munmap
+            print(f"  {'unmapping the used file, ' + label:44} {took * 1000:8.1f} ms; longest map wait {wait * 1000:8.2f} ms"
+                  + f" (close before it: {closing * 1000:.1f} ms)", flush=True)
+            for leftover in root.glob("*.data"):
+                leftover.unlink()
+    report_file._SLICE = 2 << 20
+    os.rmdir(root)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
-    parser.add_argument("--only", choices=("handoffs", "gather", "cuda", "files"), help="one part only")
+    parser.add_argument("--only", choices=("handoffs", "gather", "cuda", "files", "maplock"), help="one part only")
     args = parser.parse_args()
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}; torch threads {torch.get_num_threads()}")
     parts = (("handoffs", handoffs), ("gather", lambda: gather(args.mib)), ("cuda", lambda: cuda(args.mib)),
-             ("files", lambda: files(args.mib)))
+             ("files", lambda: files(args.mib)), ("maplock", lambda: maplock(args.mib)))
     for name, part in parts:
         if args.only in (None, name):
             part()

@@ -8,6 +8,8 @@ import os
 import threading
 import time
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -172,6 +174,75 @@ def test_reserving_ahead_lets_the_engine_thread_run(tmp_path):
         if ours < 0.5 * held:
             return
     pytest.fail(f"the longest pause while reserving was not under half of mmap.madvise's: {pauses}")
+
+
+def _longest_map_wait_while(work) -> float:
+    """The longest another thread waited to map and unmap 1 MiB (which takes the process's memory
+    map lock, as malloc, Python's arenas and CUDA do on the engine thread) while ``work`` ran."""
+    import mmap
+
+    waits, done = [], threading.Event()
+
+    def mapper():
+        while not done.is_set():
+            started = time.perf_counter()
+            mmap.mmap(-1, 1 << 20).close()
+            waits.append(time.perf_counter() - started)
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=mapper)
+    thread.start()
+    time.sleep(0.02)
+    try:
+        work()
+    finally:
+        done.set()
+        thread.join()
+    return max(waits)
+
+
+def test_reserving_and_unmapping_a_data_file_never_hold_the_memory_map_long(monkeypatch):
+    """Mapping or unmapping a range holds the process's memory map lock throughout, and the engine
+    thread maps memory every step: reserving 256 MiB of /dev/shm in one call, or unmapping it in
+    one munmap, stalled a mapping thread for 50-900 ms on a 2-core CPU. The reporter does both in
+    slices. Against one call each (reserving with a slice larger than the file; closing without
+    letting go of the pages first), in any of three tries."""
+    import tempfile
+
+    from interlace.workers import report_file
+    from interlace.workers.report_file import DataFile
+
+    size, ours = 256 << 20, report_file._SLICE
+    tries = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:  # where reports go (tmpfs)
+        for attempt in range(3):
+            waits = []  # (reserving, unmapping) for ours, then for one call
+            for slice_ in (ours, 1 << 40):
+                monkeypatch.setattr(report_file, "_SLICE", slice_)
+                data = DataFile(Path(folder) / f"{attempt}-{len(waits)}.data")
+                reserving = _longest_map_wait_while(lambda: data.reserve(size))
+                _start, rows = data.region(size)
+                rows.fill_(7)  # a trace's rows written into the file
+                view = rows[-4096:]
+                if slice_ == ours:
+                    data.close()
+                else:  # closed without letting go of the pages: the last view's munmap does it
+                    os.ftruncate(data._fd, data.used)
+                    os.close(data._fd)
+                    data.bytes = None
+                held = [data, rows]
+                del data, rows
+                unmapping = _longest_map_wait_while(held.clear)  # one view left: still mapped
+                assert view.eq(7).all()  # a view kept after close reads its rows
+                held = [view]
+                del view
+                unmapping = max(unmapping, _longest_map_wait_while(held.clear))  # the last: munmap
+                waits.append((reserving, unmapping))
+            tries.append(waits)
+            (ours_reserving, ours_unmapping), (one_reserving, one_unmapping) = waits
+            if ours_reserving < 0.25 * one_reserving and ours_unmapping < 0.25 * one_unmapping:
+                return
+    pytest.fail(f"slices did not cut the longest map wait to under a quarter of one call's: {tries}")
 
 
 def test_a_read_folder_is_discarded_without_waiting_for_its_data_file_to_be_truncated(tmp_path):

@@ -47,6 +47,7 @@ _VIRTUAL_BYTES = 1 << 38  # a data file's address space (the file is sparse: no 
 _PREFIX = struct.Struct("<8sQQH")  # magic, region start, region length, data file name length
 _MAGIC = b"ilreport"
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; in Python 3.13's mmap module only
+_MADV_DONTNEED = 4
 # madvise through ctypes, which lets go of the GIL for the call: mmap.madvise holds it, and mapping
 # a quarter of a 512 MiB trace's saves takes tens of milliseconds during which the engine thread
 # could not launch a step (the reporter reserves ahead while the trace runs).
@@ -55,6 +56,12 @@ try:
     _MADVISE.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 except (OSError, TypeError, AttributeError):  # no C library to call (Windows): a write per page
     _MADVISE = None
+
+# The kernel holds the process's memory map lock while it maps or unmaps a range, and every other
+# thread of the process that maps memory (malloc, Python's arenas, CUDA) waits for it: mapping 128
+# MiB in one call stalled such a thread for 50-400 ms on a 2-core CPU, in 2 MiB slices for at most
+# about 10 ms (bench/host_probe.py --only maplock). So the reporter maps and unmaps in slices.
+_SLICE = 2 << 20
 
 TensorSpec = tuple[Sequence[int], torch.dtype]
 
@@ -85,10 +92,11 @@ class DataFile:
         # Allocated first: a full disk or /dev/shm fails here (ENOSPC, a failed report) rather than
         # killing the worker with SIGBUS at a write to a page that cannot be had.
         os.posix_fallocate(self._fd, self.reserved, nbytes - self.reserved)
-        # One call maps every page, about 15 % faster than a write per page (older kernels).
-        start = self.bytes.data_ptr() + self.reserved
-        if _MADVISE is None or _MADVISE(start, nbytes - self.reserved, _MADV_POPULATE_WRITE) != 0:
-            self.bytes[self.reserved : nbytes : _PAGE].zero_()  # one write per page maps it
+        # madvise maps pages about 15 % faster than a write per page (older kernels).
+        for at in range(self.reserved, nbytes, _SLICE):
+            stop = min(at + _SLICE, nbytes)
+            if _MADVISE is None or _MADVISE(self.bytes.data_ptr() + at, stop - at, _MADV_POPULATE_WRITE) != 0:
+                self.bytes[at:stop:_PAGE].zero_()  # one write per page maps it
         self.reserved = nbytes
 
     def region(self, nbytes: int) -> tuple[int, torch.Tensor]:
@@ -104,6 +112,13 @@ class DataFile:
         if self.bytes is not None:
             os.ftruncate(self._fd, self.used)
             os.close(self._fd)
+            # The mapping goes when the last view of it does, in one munmap that would stall the
+            # process's other threads for the whole used range (about 55 ms per 512 MiB). Letting
+            # go of its pages here, in slices, leaves that munmap nothing to do; the data stays in
+            # the file, and a view still in use maps its pages again.
+            if _MADVISE is not None:
+                for at in range(0, self.used, _SLICE):
+                    _MADVISE(self.bytes.data_ptr() + at, min(_SLICE, self.used - at), _MADV_DONTNEED)
             self.bytes = None
 
 
