@@ -15,6 +15,9 @@ A diagnostic for choosing how saves travel, not a figure against plain vLLM:
                lock) while the reporter reserves a data file (one madvise call, against
                DataFile.reserve's slices) and while a used data file is unmapped (one munmap,
                against DataFile.close's slices first)
+    register   (with a GPU) how long a thread launching kernels waits while another registers a
+               populated /dev/shm mapping with CUDA (one call, or slices), and a device-to-host copy
+               into it cut at the slices' edges, against the same mapping unregistered
 
 Usage: python bench/host_probe.py [--mib 512] [--only cuda|files|maplock|...]
 """
@@ -325,14 +328,60 @@ def maplock(mib: int) -> None:
     os.rmdir(root)
 
 
+def register(mib: int) -> None:
+    if not torch.cuda.is_available():
+        print("register: no GPU")
+        return
+    nbytes = mib * 2**20
+    cudart = torch.cuda.cudart()
+    device = torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16).view(torch.uint8)[:nbytes]
+    small = torch.zeros(256, 2048, device="cuda")
+    torch.cuda.synchronize()
+    print(f"register ({mib} MiB of /dev/shm; another thread launches a small kernel every 0.2 ms, as an engine step does)")
+    for slice_mib in (mib, 64, 8, 2):
+        shm = shm_tensor(nbytes)  # populated, as a reserved data file is
+        step = slice_mib * 2**20
+        gaps, done = [], threading.Event()
+
+        def launcher():
+            while not done.is_set():
+                started = time.perf_counter()
+                small.add_(1)
+                gaps.append(time.perf_counter() - started)
+                time.sleep(0.0002)
+
+        thread = threading.Thread(target=launcher)
+        thread.start()
+        time.sleep(0.02)
+        started = time.perf_counter()
+        for offset in range(0, nbytes, step):
+            assert int(cudart.cudaHostRegister(shm.data_ptr() + offset, step, 1)) == 0  # portable
+        took = time.perf_counter() - started
+        time.sleep(0.02)
+        done.set()
+        thread.join()
+        print(f"  registering in {slice_mib:4d} MiB slices: {took * 1000:8.1f} ms; longest launch {max(gaps) * 1000:8.2f} ms", flush=True)
+
+        def d2h_pieces():
+            for offset in range(0, nbytes, step):
+                shm[offset : offset + step].copy_(device[offset : offset + step], non_blocking=True)
+            torch.cuda.synchronize()
+
+        timed(f"device -> the mapping, one copy per {slice_mib} MiB registration", d2h_pieces)
+        for offset in range(0, nbytes, step):
+            cudart.cudaHostUnregister(shm.data_ptr() + offset)
+        timed("device -> the same mapping unregistered", d2h_pieces)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
-    parser.add_argument("--only", choices=("handoffs", "gather", "cuda", "files", "maplock"), help="one part only")
+    parser.add_argument("--only", choices=("handoffs", "gather", "cuda", "files", "maplock", "register"), help="one part only")
     args = parser.parse_args()
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}; torch threads {torch.get_num_threads()}")
     parts = (("handoffs", handoffs), ("gather", lambda: gather(args.mib)), ("cuda", lambda: cuda(args.mib)),
-             ("files", lambda: files(args.mib)), ("maplock", lambda: maplock(args.mib)))
+             ("files", lambda: files(args.mib)), ("maplock", lambda: maplock(args.mib)),
+             ("register", lambda: register(args.mib)))
     for name, part in parts:
         if args.only in (None, name):
             part()

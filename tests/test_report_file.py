@@ -245,6 +245,67 @@ def test_reserving_and_unmapping_a_data_file_never_hold_the_memory_map_long(monk
     pytest.fail(f"slices did not cut the longest map wait to under a quarter of one call's: {tries}")
 
 
+def test_copies_into_pinned_slices_are_cut_at_their_edges(tmp_path, monkeypatch):
+    """CUDA refuses one copy across two registrations, so a copy into a data file's pinned slices
+    goes one slice at a time, and past the pinned ones in one piece. The cutting, on the CPU: the
+    file's first slices marked pinned as a GPU process's are, bytes compared after the copy."""
+    from interlace.workers import report_file
+    from interlace.workers.report_file import DataFile, copy_to_host
+
+    monkeypatch.setattr(report_file, "_SLICE", 64 << 10)
+    data = DataFile(tmp_path / "0.data")
+    data.reserve(1 << 20)
+    data.pinned = 5 * report_file._SLICE  # as if registered; past it, pageable
+    monkeypatch.setitem(report_file._pinned_files, data.bytes.data_ptr(), data)
+    cuts = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda into, src, non_blocking=False: (
+        cuts.append((into.data_ptr() - data.bytes.data_ptr(), into.nbytes)), real_copy(into, src, non_blocking))[1])
+    rows = torch.randn(200, 1000).to(torch.bfloat16)  # 400,000 bytes from offset 100,000
+    out = data.bytes[100_000 : 100_000 + rows.nbytes].view(torch.bfloat16).view(200, 1000)
+    copy_to_host(out, rows)
+    monkeypatch.undo()
+    assert torch.equal(out, rows)
+    slice_ = 64 << 10
+    assert cuts[0] == (100_000, 2 * slice_ - 100_000)  # to the end of the slice it starts in
+    assert all(start % slice_ == 0 for start, _ in cuts[1:])
+    assert all(start + size <= (start // slice_ + 1) * slice_ for start, size in cuts if start < 5 * slice_)
+    assert cuts[-1] == (5 * slice_, 500_000 - 5 * slice_)  # the pageable rest in one copy
+    data.pinned = 0  # nothing was registered for real
+    data.close()
+
+
+@pytest.mark.gpu
+def test_a_gpu_process_pins_its_data_file_and_copies_into_it(tmp_path):
+    """In a process using a GPU, reserved slices are registered with CUDA (pinned), copies from
+    the device land whole across slice edges, a file CUDA refuses (on disk) stays pageable
+    without leaving an error for the next kernel, and close() unregisters before truncating."""
+    import tempfile
+
+    from interlace.workers import report_file
+    from interlace.workers.report_file import DataFile, copy_to_host
+
+    rows = torch.randn(3000, 1024, device="cuda").to(torch.bfloat16)  # 6 MB: three 2 MiB slices
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        data = DataFile(Path(folder) / "0.data")
+        data.reserve(8 << 20)
+        assert data.pinned == 8 << 20
+        _start, region = data.region(rows.nbytes + 4096)
+        out = region[4096:].view(torch.bfloat16).view(rows.shape)
+        copy_to_host(out, rows)
+        assert torch.equal(out, rows.cpu())
+        data.close()
+        assert data.pinned == 0 and not report_file._pinned_files
+    on_disk = DataFile(tmp_path / "1.data")  # CUDA refused files on disk on an H100 host
+    on_disk.reserve(4 << 20)
+    (rows * 2).sum().item()  # a kernel launch and a sync: no error left over from a refusal
+    _start, region = on_disk.region(rows.nbytes)
+    out = region.view(torch.bfloat16).view(rows.shape)
+    copy_to_host(out, rows)
+    assert torch.equal(out, rows.cpu())
+    on_disk.close()
+
+
 def test_a_read_folder_is_discarded_without_waiting_for_its_data_file_to_be_truncated(tmp_path):
     """After the last report, the rank truncates the trace's data file (giving back pages it
     reserved ahead and no batch used) while the reader removes the folder; removing the file waits

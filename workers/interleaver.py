@@ -196,7 +196,8 @@ class Interleaver:
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
         self.op_plans = OpOrder()  # the live invokes' ops as plans, by hook, each invoke's in its order
         self.ledger = SaveLedger()
-        self.reporter = Reporter()
+        self.device = next(model.parameters()).device
+        self.reporter = Reporter(self.device)
         self.slots = SlotTable()
         self.replays = 0  # chunks that recomputed rows after a preemption, ops replayed on them
         self.graph_steps: dict[str, int] | None = None  # a compiled engine's steps by kind (graphs.py)
@@ -210,7 +211,6 @@ class Interleaver:
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
         self._group_numbers: dict[str, int] = {}  # live program group key -> its number in slots.group
         self._group_counter = itertools.count()
-        self.device = next(model.parameters()).device
         self._last: tuple[BatchLayout, Scheduled] | None = None  # the previous step's, while its epoch may go on
         self._epochs = itertools.count(1)
         self._epoch_rows: tuple[int, dict[bytes, Rows]] = (0, {})  # device row indices of the current epoch

@@ -17,9 +17,12 @@ logger = logging.getLogger("interlace")
 
 
 class Reporter:
-    def __init__(self):
+    def __init__(self, device=None):
+        """``device``: the rank's torch device. On a GPU the thread makes it its current one, so
+        that what it asks of CUDA (pinning report files, copies) never opens a context on GPU 0."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._device = device
 
     def submit(self, job: Callable[[], None]) -> None:
         if self._thread is None:
@@ -28,6 +31,10 @@ class Reporter:
         self._jobs.put(job)
 
     def _loop(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self._device)
         while True:
             job = self._jobs.get()
             try:

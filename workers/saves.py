@@ -37,6 +37,7 @@ import torch
 from interlace import settings
 from interlace.workers.pinned import PinnedSlabs, Slab
 from interlace.workers.points import device_index
+from interlace.workers.report_file import copy_to_host
 
 
 @dataclass
@@ -333,11 +334,11 @@ def _after_engine(ready: DeviceReady | None):
 def _gather_on_device(plan: "_Gather", out: torch.Tensor) -> None:
     """One name's rows, all on the GPU: the chunks concatenated and put in order there (two
     kernels and one index upload, whatever the number of chunks), then moved into ``out`` on the
-    host in one copy, which waits for them."""
+    host (one copy, or one per pinned slice of a report file), which waits for them."""
     rows = torch.cat([chunk.rows for chunk in plan.chunks])
     sizes = np.array([len(chunk.rows) for chunk in plan.chunks], dtype=np.int64)
     order = (np.cumsum(sizes) - sizes)[plan.row_chunk] + plan.row_source  # each destination row's source
-    out.copy_(rows.index_select(0, device_index(torch.from_numpy(order), rows.device)))
+    copy_to_host(out, rows.index_select(0, device_index(torch.from_numpy(order), rows.device)))
 
 
 _COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))  # of the cores this process may use
