@@ -340,6 +340,45 @@ def _blocking_cuda_sync() -> None:
     print(f"CUDA waits block (cudaDeviceScheduleBlockingSync, {path})")
 
 
+def _variant(name: str):
+    """A context for one --ab variant: the default (pinned report files on a GPU), or one part
+    changed: pageable report files, no reserving ahead, or saves made but not kept."""
+    from interlace.workers import interleaver, report_file
+
+    if name == "pageable":
+        return _switched_off(report_file._Cudart, "get", classmethod(lambda cls: None))
+    if name == "no-reserve":
+        return _switched_off(interleaver, "RESERVE_MIN", 1 << 62)
+    if name == "no-keep":
+        return _ablate_keep()
+    return contextlib.nullcontext()
+
+
+def ab(model, data, args, cases) -> None:
+    """Variants of the same traces alternating on one engine, round by round (timings drift too
+    much between lent machines and runs for an A/B across processes)."""
+    import statistics
+
+    from runner_bench import run_interlace
+
+    variants = args.ab_variants.split(",")
+    for name in args.cases.split(","):
+        timings: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+        run_interlace(model, data, args.out, cases[name])  # warm
+        for round_ in range(args.ab):
+            for variant in (variants if round_ % 2 == 0 else variants[::-1]):
+                LAST_STEP_END[0] = None
+                with _variant(variant):
+                    seconds, _tokens, _saved = run_interlace(model, data, args.out, cases[name])
+                tail = time.perf_counter() - LAST_STEP_END[0] if LAST_STEP_END[0] else float("nan")
+                timings[variant].append((seconds, tail))
+        for variant, runs in timings.items():
+            seconds, tails = [r[0] for r in runs], [r[1] for r in runs]
+            print(f"{name} ({variant}, {len(runs)} traces): trace s median {statistics.median(seconds):.3f} "
+                  f"min {min(seconds):.3f}; last step to results s median {statistics.median(tails):.3f} min {min(tails):.3f}",
+                  flush=True)
+
+
 def _device_segments() -> int:
     """How many device memory segments torch's caching allocator has obtained so far (cudaMalloc calls)."""
     import torch
@@ -371,6 +410,12 @@ def main() -> None:
                              "taps: steps with programs run eager")
     parser.add_argument("--taps", action="store_true",
                         help="the ops cases' points are graph taps (implied by --graphs; on a CPU, taps run in the eager forward)")
+    parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                        help="only this: each case's traces in --ab-variants, alternating on one engine for ROUNDS "
+                             "rounds; medians and minima of the trace and of its tail")
+    parser.add_argument("--ab-variants", default="default,pageable",
+                        help="from default, pageable (report files not pinned), no-reserve (nothing reserved ahead), "
+                             "no-keep (saves made, not kept)")
     parser.add_argument("--blocking-sync", action="store_true",
                         help="CUDA waits block instead of spinning, so time the engine thread waits for the GPU "
                              "shows as wall time above its CPU time")
@@ -394,6 +439,9 @@ def main() -> None:
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
     install_probes()
+    if args.ab:
+        ab(model, data, args, cases)
+        return
     from interlace.workers import interleaver
 
     import torch
