@@ -59,8 +59,9 @@ except (OSError, TypeError, AttributeError):  # no C library to call (Windows): 
 
 # The kernel holds the process's memory map lock while it maps or unmaps a range, and every other
 # thread of the process that maps memory (malloc, Python's arenas, CUDA) waits for it: mapping 128
-# MiB in one call stalled such a thread for 50-400 ms on a 2-core CPU, in 2 MiB slices for at most
-# about 10 ms (bench/host_probe.py --only maplock). So the reporter maps and unmaps in slices.
+# MiB in one call stalled such a thread for 107 ms on an H100 host (200-900 ms on a 2-core CPU), in
+# 2 MiB slices for 16 ms (2-7 ms) (bench/host_probe.py --only maplock). So the reporter maps and
+# unmaps in slices.
 _SLICE = 2 << 20
 
 TensorSpec = tuple[Sequence[int], torch.dtype]
@@ -68,7 +69,7 @@ TensorSpec = tuple[Sequence[int], torch.dtype]
 
 class _Cudart:
     """The CUDA runtime torch loaded, for pinning data file slices (cudaHostRegister): copies
-    from the GPU into pinned pages ran at 9.8 ms per 512 MiB on an H100 host, against 30-45 ms
+    from the GPU into pinned pages ran at 9.8-10.3 ms per 512 MiB on an H100 host, against 30-50 ms
     into pageable ones (bench/host_probe.py --only register). Called through ctypes, not
     torch.cuda.cudart(), because a refused registration (a file on disk, say) leaves the thread's
     last CUDA error set, which torch would raise at the reporter's next kernel launch: it is
@@ -159,7 +160,8 @@ class DataFile:
             base = self.bytes.data_ptr()
             _pinned_files.pop(base, None)
             for at in range(0, self.pinned, _SLICE):  # before truncating: CUDA holds those pages
-                self._cudart.cudaHostUnregister(base + at)
+                if self._cudart.cudaHostUnregister(base + at) != 0:
+                    self._cudart.cudaGetLastError()  # not left for torch to raise at a later launch
             self.pinned = 0
             os.ftruncate(self._fd, self.used)
             os.close(self._fd)
