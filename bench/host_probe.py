@@ -271,27 +271,34 @@ def files(mib: int) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _longest_map_wait_while(work) -> tuple[float, float]:
-    """``work``'s time, and the longest an anonymous 1 MiB mmap + munmap took in another thread
-    meanwhile (both take the process's memory map lock for writing, as malloc and CUDA do)."""
+def _longest_wait_while(work, action) -> tuple[float, float]:
+    """``work``'s time, and the longest ``action`` took in another thread meanwhile (repeated
+    every 0.2 ms, as an engine thread maps memory and launches kernels)."""
     waits, done = [], threading.Event()
 
-    def mapper():
+    def repeat():
         while not done.is_set():
             started = time.perf_counter()
-            mmap.mmap(-1, 1 << 20).close()
+            action()
             waits.append(time.perf_counter() - started)
             time.sleep(0.0002)
 
-    thread = threading.Thread(target=mapper)
+    thread = threading.Thread(target=repeat)
     thread.start()
     time.sleep(0.02)
     started = time.perf_counter()
     work()
     took = time.perf_counter() - started
+    time.sleep(0.02)
     done.set()
     thread.join()
     return took, max(waits)
+
+
+def _longest_map_wait_while(work) -> tuple[float, float]:
+    """An anonymous 1 MiB mmap + munmap as the action: both take the process's memory map lock
+    for writing, as malloc and CUDA do."""
+    return _longest_wait_while(work, lambda: mmap.mmap(-1, 1 << 20).close())
 
 
 def maplock(mib: int) -> None:
@@ -341,26 +348,13 @@ def register(mib: int) -> None:
     for slice_mib in (mib, 64, 8, 2):
         shm = shm_tensor(nbytes)  # populated, as a reserved data file is
         step = slice_mib * 2**20
-        gaps, done = [], threading.Event()
 
-        def launcher():
-            while not done.is_set():
-                started = time.perf_counter()
-                small.add_(1)
-                gaps.append(time.perf_counter() - started)
-                time.sleep(0.0002)
+        def register_slices():
+            for offset in range(0, nbytes, step):
+                assert int(cudart.cudaHostRegister(shm.data_ptr() + offset, step, 1)) == 0  # portable
 
-        thread = threading.Thread(target=launcher)
-        thread.start()
-        time.sleep(0.02)
-        started = time.perf_counter()
-        for offset in range(0, nbytes, step):
-            assert int(cudart.cudaHostRegister(shm.data_ptr() + offset, step, 1)) == 0  # portable
-        took = time.perf_counter() - started
-        time.sleep(0.02)
-        done.set()
-        thread.join()
-        print(f"  registering in {slice_mib:4d} MiB slices: {took * 1000:8.1f} ms; longest launch {max(gaps) * 1000:8.2f} ms", flush=True)
+        took, longest = _longest_wait_while(register_slices, lambda: small.add_(1))
+        print(f"  registering in {slice_mib:4d} MiB slices: {took * 1000:8.1f} ms; longest launch {longest * 1000:8.2f} ms", flush=True)
 
         def d2h_pieces():
             for offset in range(0, nbytes, step):

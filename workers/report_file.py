@@ -138,13 +138,13 @@ class DataFile:
         if self._cudart is None or self._refused:
             return
         base = self.bytes.data_ptr()
+        _pinned_files[base] = self
         while self.pinned + _SLICE <= self.reserved:
             if self._cudart.cudaHostRegister(base + self.pinned, _SLICE, _PORTABLE) != 0:
                 self._cudart.cudaGetLastError()
                 self._refused = True
                 return
             self.pinned += _SLICE
-            _pinned_files[base] = self
 
     def region(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """The next ``nbytes`` (reserved now if they were not): their offset, and the bytes."""
