@@ -23,17 +23,26 @@ torch.manual_seed(0)
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run where torch sees a GPU (the lent GPU machines); tests marked
     ``ranks(n)`` run on a CPU (logical ranks) or where at least n GPUs are visible (each rank
-    takes one). Elsewhere they are deselected, and the summary line counts them."""
+    takes one). A module's ``CPU_LAYOUTS`` (model -> layouts) narrows its parallel layouts for a
+    model on a CPU (tests/test_parallel.py). Elsewhere they are deselected, and the summary line
+    counts them."""
     gpus = torch.cuda.device_count()
 
     def runs_here(item) -> bool:
         ranks = item.get_closest_marker("ranks")
-        return ("gpu" not in item.keywords or gpus > 0) and not (ranks and 0 < gpus < ranks.args[0])
+        return ("gpu" not in item.keywords or gpus > 0) and not (ranks and 0 < gpus < ranks.args[0]) \
+            and (gpus > 0 or _in_cpu_layouts(item))
 
     elsewhere = [item for item in items if not runs_here(item)]
     if elsewhere:
         items[:] = [item for item in items if runs_here(item)]
         config.hook.pytest_deselected(items=elsewhere)
+
+
+def _in_cpu_layouts(item) -> bool:
+    layouts = getattr(item.module, "CPU_LAYOUTS", None)
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return not layouts or "layout" not in params or params["layout"] in layouts.get(params.get("any_model"), [params["layout"]])
 
 
 # Engine settings for every shared engine, e.g. '{"enforce_eager": false}' to run the suite on

@@ -74,28 +74,6 @@ def test_greedy_continuations_match_transformers(any_model, oracle):
         assert list(out.outputs[0].token_ids) == oracle.greedy(ids, 8)
 
 
-def test_async_engine_generates():
-    import asyncio
-
-    from vllm import SamplingParams
-
-    from interlace.cluster.engine import shutdown_engine, start_async_engine
-
-    async def main():
-        engine = await start_async_engine(ModelConfig.load("tiny-llama"))
-        try:
-            final = None
-            async for out in engine.generate("The capital of France is",
-                                             SamplingParams(max_tokens=4, temperature=0), request_id="a0"):
-                final = out
-            return list(final.outputs[0].token_ids)
-        finally:
-            shutdown_engine(engine)
-
-    tokens = asyncio.run(main())
-    assert len(tokens) == 4
-
-
 def test_a_program_from_a_users_own_module_reaches_ranks_that_cannot_import_it(tmp_path, monkeypatch):
     """Ranks under vLLM's Ray executor, a cluster's replicas and a server have no path to the
     user's scripts or test modules: programs defined in one travel by value (an engine's ranks

@@ -364,40 +364,27 @@ def test_a_killed_state_actor_is_started_again_and_the_endpoint_keeps_serving(en
     assert after[("interlace_interventions_total", (("outcome", "ok"),))] == 1
 
 
-def test_a_killed_engine_is_replaced_and_its_trace_delivered_once(endpoint, analyst, llama):
+def test_a_killed_engine_is_replaced_its_trace_delivered_once_and_its_stream_sends_each_token_once(
+        endpoint, analyst, llama):
+    """One kill of the engine core, by pid, with a trace and a stream in flight on it (one restart
+    for both: each costs half a minute here)."""
     from ray import serve
 
     engine = serve.get_deployment_handle("InterlaceEngine", app_name="interlace")
     before = engine.info.remote().result()
+    save = [ops.save("layers.1.resid", tokens="last", steps=[0])]
     tr = analyst.trace(max_tokens=480, ignore_eos=True)  # a few seconds of generation on this machine
-    tr.invoke("Survive this", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
+    tr.invoke("Survive this", ops=save)
     running = analyst.submit(tr)
-    time.sleep(0.7)  # it is generating
-    assert not running.done()
-    core = [p for p in map(psutil.Process, before["engine_pids"]) if "EngineCore" in p.name() + " ".join(p.cmdline())]
-    os.kill(core[0].pid, signal.SIGKILL)  # the engine core, by pid
-    got = running.result(timeout=300)
-    with llama.trace(max_tokens=480, ignore_eos=True) as want:
-        want.invoke("Survive this", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
-    assert_same(got, want.result)
-    assert_same(script_ops(analyst), script_ops(llama))  # and it keeps serving
-    assert engine.info.remote().result()["pid"] != before["pid"]  # on a new replica
-
-
-def test_a_stream_whose_engine_dies_sends_each_token_once(endpoint, analyst, llama):
-    from ray import serve
-
-    engine = serve.get_deployment_handle("InterlaceEngine", app_name="interlace")
-    before = engine.info.remote().result()
-    tr = analyst.trace(max_tokens=480, ignore_eos=True)
-    tr.invoke("Stream through a kill", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
+    streamed_tr = analyst.trace(max_tokens=480, ignore_eos=True)
+    streamed_tr.invoke("Stream through a kill", ops=save)
     events: list[dict] = []
     failed: list[BaseException] = []
     some_tokens = threading.Event()
 
     def consume() -> None:
         try:
-            for event in analyst.stream(tr):
+            for event in analyst.stream(streamed_tr):
                 events.append(event)
                 if sum(len(e.get("token_ids", ())) for e in events if e["event"] == "tokens") >= 16:
                     some_tokens.set()
@@ -408,19 +395,27 @@ def test_a_stream_whose_engine_dies_sends_each_token_once(endpoint, analyst, lla
     reader = threading.Thread(target=consume)
     reader.start()
     assert some_tokens.wait(120) and not failed
-    assert not any(e["event"] in ("invoke", "result") for e in events)  # killed mid-generation
+    assert not running.done()  # both are generating
+    assert not any(e["event"] in ("invoke", "result") for e in events)
     core = [p for p in map(psutil.Process, before["engine_pids"]) if "EngineCore" in p.name() + " ".join(p.cmdline())]
-    os.kill(core[0].pid, signal.SIGKILL)
+    os.kill(core[0].pid, signal.SIGKILL)  # the engine core, by pid
+    got = running.result(timeout=300)
     reader.join(300)
     assert not reader.is_alive() and not failed, failed
-    with llama.trace(max_tokens=480, ignore_eos=True) as want:
-        want.invoke("Stream through a kill", ops=[ops.save("layers.1.resid", tokens="last", steps=[0])])
+
+    want = {}
+    for prompt in ("Survive this", "Stream through a kill"):
+        with llama.trace(max_tokens=480, ignore_eos=True) as want[prompt]:
+            want[prompt].invoke(prompt, ops=save)
+    assert_same(got, want["Survive this"].result)  # the trace: delivered once, as if never killed
     kinds = [e["event"] for e in events]
     assert kinds[-1] == "result" and kinds.count("invoke") == 1 and "restart" not in kinds  # greedy: the same again
+    expected = want["Stream through a kill"].result
     streamed = [t for e in events if e["event"] == "tokens" for t in e["token_ids"]]
-    assert streamed == want.result[0].token_ids  # every token once, in order: none sent twice after the re-run
-    assert "".join(e["text"] for e in events if e["event"] == "tokens") == want.result[0].text
-    assert_same(events[-1]["result"], want.result)
+    assert streamed == expected[0].token_ids  # every token once, in order: none sent twice after the re-run
+    assert "".join(e["text"] for e in events if e["event"] == "tokens") == expected[0].text
+    assert_same(events[-1]["result"], expected)
+    assert_same(script_ops(analyst), script_ops(llama))  # and it keeps serving
     assert engine.info.remote().result()["pid"] != before["pid"]  # on a new replica
 
 
