@@ -241,10 +241,10 @@ def test_report_grace_waits_while_a_report_is_being_written(llama, monkeypatch):
         llama._collect("silent-trace", [0])
 
 
-def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(oracles):
+def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(llama, oracles):
     """A worker that dies (here a program kills its own process, as a crashing C extension or the
     kernel's out-of-memory killer would) fails the trace it was running with a clear error, and
-    the model starts a new engine for the next trace."""
+    the model starts a new engine for the next trace (the session's: later tests run on it)."""
     import os
     import signal
 
@@ -252,10 +252,8 @@ def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(oracles):
         m.layers[0].resid
         os.kill(os.getpid(), signal.SIGKILL)
 
-    model = interlace.Model("tiny-llama")
-    try:
-        with pytest.raises(interlace.WorkerDied, match="died"):
-            model.generate(PROMPT, program=crash, max_tokens=2)
-        _still_serves(model, oracles)
-    finally:
-        model.close()
+    dead = llama.engine
+    with pytest.raises(interlace.WorkerDied, match="died"):
+        llama.generate(PROMPT, program=crash, max_tokens=2)
+    _still_serves(llama, oracles)
+    assert llama.engine is not dead
