@@ -233,7 +233,7 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts] + bad)
     fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", shard_size=25, generation={"max_tokens": 2},
                   intervention={"program": "sweep_programs:keep_or_fail"})
-    one = {**CLUSTER, "replicas": 1}  # the stopped run is short: one engine is enough
+    one = {**CLUSTER, "replicas": 1}  # one engine is enough (the two-replica sweep is the ops sweep's)
     cfg = SweepConfig.load(write_config(tmp_path, "stop", cluster=one, max_failures=3, **fields))
     with pytest.raises(SweepStopped, match="more than max_failures=3"):
         run_sweep(cfg)
@@ -243,7 +243,7 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
     kept = {name: t for name, t in shard_mtimes(out).items() if name.removesuffix(".json").removesuffix(".parquet")
             .removesuffix(".safetensors") in {f"shard-{int(k):05d}" for k in stopped["shards"]}}
 
-    cfg = SweepConfig.load(write_config(tmp_path, "resume", **fields))  # max_failures is not part of the sweep's identity
+    cfg = SweepConfig.load(write_config(tmp_path, "resume", cluster=one, **fields))  # max_failures is not part of its identity
     manifest = run_sweep(cfg)
     assert manifest["status"] == "complete"
     assert {n: t for n, t in shard_mtimes(out).items() if n in kept} == kept  # finished shards not written again
