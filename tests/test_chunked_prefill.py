@@ -3,6 +3,10 @@
 Declarative ops are row-wise, so they stay exact across chunks. A program sees step 0 once, with
 the whole prompt: the scheduler keeps program prompts whole when they fit the token budget, and a
 prompt longer than the whole budget fails the program with a message naming the fix.
+
+The engine also declares graph taps at layers 0 and 3, which the other tests here leave alone (their
+ops run in hooks): ops at taps, too, set each step's rows from that step's chunk. One engine for
+both, as each engine start costs about half a minute of the suite.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ import torch
 
 import interlace
 from interlace import ops
+from test_taps import tap_steps, vector
 
 ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2  # GPU float32 matmuls run in TF32
+CHUNKED_TAPS = ["layers.0.resid", "layers.3.resid"]
 
 
 @pytest.fixture(scope="module")
 def chunked():
-    model = interlace.Model("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8)
+    model = interlace.Model("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8,
+                            graph_taps=CHUNKED_TAPS)
     model.engine
     yield model
     model.close()
@@ -107,3 +114,33 @@ def test_batched_program_spans_invokes_admitted_in_different_steps(chunked, orac
         with chunked.trace(max_tokens=3, ignore_eos=True) as tr:
             for ids in prompts:
                 tr.invoke(ids, program=uses_step)
+
+
+def test_ops_at_taps_stay_exact_when_prefill_is_chunked(chunked, oracles, long_ids):
+    """A 100-token prompt in chunks of at most 32 tokens, beside a short prompt, every op at a
+    tap: each step's rows are set from that step's chunk (transformers on the whole sequence is
+    the reference)."""
+    oracle = oracles["tiny-llama"]
+    short = oracle.ids("Hello there")
+    steer, patch = vector(11), vector(12)
+    oplist = [ops.add("layers.0.resid", steer), ops.save("layers.0.resid", name="after", steps=[0]),
+              ops.replace("layers.3.resid", patch, tokens=[5, 50]), ops.save("layers.3.resid", name="last", tokens="last")]
+    before = tap_steps(chunked)
+    with chunked.trace(max_tokens=3, ignore_eos=True) as tr:
+        tr.invoke(long_ids, ops=oplist)
+        tr.invoke(short, ops=[ops.save("layers.0.resid", name="short", steps=[0])])
+    assert tap_steps(chunked) >= before + 4 + 2  # every chunk of the prompt, then decoding
+
+    def patched(out):
+        out = out.clone()
+        out[0, [p for p in (5, 50) if p < out.shape[1]]] = patch
+        return out
+
+    hooks = {oracle.layers[0]: lambda out: out + steer, oracle.layers[3]: patched}
+    got = tr.result[0]
+    assert got.token_ids == oracle.greedy(long_ids, 3, hooks=hooks)
+    ref = oracle.run(long_ids + got.token_ids[:-1], hooks)["resid"]
+    # the reference captures each layer's output before the hooks above change it
+    torch.testing.assert_close(got.saves["after"], ref[0][: len(long_ids)] + steer, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(got.saves["last"], ref[3][len(long_ids) - 1:], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(tr.result[1].saves["short"], oracle.run(short)["resid"][0], atol=ATOL, rtol=ATOL)

@@ -4,7 +4,8 @@ replays its CUDA graphs for them.
 
 On a CPU the same taps run in the eager forward: every op result here must equal, bit for bit, the
 hook path's on an engine without taps (itself checked against transformers in test_ops_order and
-test_interventions). The compiled-engine tests are GPU-marked.
+test_interventions). The compiled-engine tests are GPU-marked. Taps under chunked prefill are
+tested in test_chunked_prefill.py, on that module's engine.
 """
 
 from __future__ import annotations
@@ -164,42 +165,6 @@ def test_a_worker_tells_only_a_start_still_waiting_for_its_refusals(tmp_path, mo
     monkeypatch.setenv(LOAD_ERRORS_ENV, str(tmp_path / "over.txt"))
     tell_the_caller(ValueError("late"))
     assert not (tmp_path / "over.txt").exists()
-
-
-def test_ops_at_taps_stay_exact_when_prefill_is_chunked(oracles):
-    """A 100-token prompt in chunks of at most 32 tokens, beside a short prompt: each step's rows
-    are set from that step's chunk (transformers on the whole sequence is the reference)."""
-    oracle = oracles["tiny-llama"]
-    chunked = interlace.Model("tiny-llama", graph_taps=TAPS, enable_chunked_prefill=True, max_num_batched_tokens=32,
-                              max_num_seqs=8)
-    try:
-        ids = oracle.ids("Steering vectors add a direction to the residual stream. " * 12)[:100]
-        short = oracle.ids("Hello there")
-        steer, patch = vector(11), vector(12)
-        oplist = [ops.add("layers.1.resid", steer), ops.save("layers.1.resid", name="after", steps=[0]),
-                  ops.replace("layers.2.resid", patch, tokens=[5, 50]), ops.save("layers.2.resid", name="last", tokens="last")]
-        before = tap_steps(chunked)
-        with chunked.trace(max_tokens=3, ignore_eos=True) as tr:
-            tr.invoke(ids, ops=oplist)
-            tr.invoke(short, ops=[ops.save("layers.1.resid", name="short", steps=[0])])
-        assert tap_steps(chunked) >= before + 4 + 2  # every chunk of the prompt, then decoding
-
-        def patched(out):
-            out = out.clone()
-            out[0, [p for p in (5, 50) if p < out.shape[1]]] = patch
-            return out
-
-        hooks = {oracle.layers[1]: lambda out: out + steer, oracle.layers[2]: patched}
-        got = tr.result[0]
-        assert got.token_ids == oracle.greedy(ids, 3, hooks=hooks)
-        seq = ids + got.token_ids[:-1]
-        ref = oracle.run(seq, hooks)["resid"]
-        # the reference captures each layer's output before the hooks above change it
-        torch.testing.assert_close(got.saves["after"], ref[1][: len(ids)] + steer, atol=ATOL, rtol=ATOL)
-        torch.testing.assert_close(got.saves["last"], ref[2][len(ids) - 1:], atol=ATOL, rtol=ATOL)
-        torch.testing.assert_close(tr.result[1].saves["short"], oracle.run(short)["resid"][1], atol=ATOL, rtol=ATOL)
-    finally:
-        chunked.close()
 
 
 @pytest.fixture(scope="module")
