@@ -198,12 +198,15 @@ class Model:
 
     def _drop_dead_engine(self) -> None:
         from interlace.cluster.engine import shutdown_engine
+        from interlace.workers.sink import DATA
 
         engine, self._engine = self._engine, None
         try:
             shutdown_engine(engine)  # reap what is left of its processes
         except Exception:  # noqa: BLE001 - it is dead already; a fresh one is started on next use
             pass
+        # Its ranks' data files, kept for traces it will never run (rows already read stay valid).
+        shutil.rmtree(self._sink_root / DATA, ignore_errors=True)
 
     def _collect(self, trace_id: str, intervened: list[int]) -> dict[int, list[dict]]:
         """Every intervened invoke's report from every pipeline stage, by invoke."""

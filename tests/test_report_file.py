@@ -1,6 +1,7 @@
-"""Report files, without an engine: saves gathered into a batch's region come back as views of one
-mapping, everything else round-trips through the header, the data file is reserved ahead and
-truncated at the end, and a failed write leaves no batch behind."""
+"""Report files: saves gathered into a batch's region come back as views of one mapping, everything
+else round-trips through the header, the data file is reserved ahead, reused by a later trace only
+once nobody can read its rows, and truncated when let go of, and a failed write leaves no batch
+behind. All without an engine but the last test, which runs the session's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from interlace.workers.saves import SaveChunk, TakenSaves
-from interlace.workers.sink import DirSink, read_new_reports
+from interlace.workers import sink as sink_module
+from interlace.workers.sink import DATA, DirSink, discard, read_new_reports
 
 
 def _chunk(name: str, rows: torch.Tensor, owners: list[int], ranges: list[tuple[int, int]]) -> SaveChunk:
@@ -49,7 +51,8 @@ def test_saves_gathered_into_the_file_come_back_as_views_of_one_mapping(tmp_path
         saves = taken.assemble(batch.allocate)
         saves[1]["note"] = {"text": "kept", "n": [1, 2.5, None]}  # not a tensor
         batch.finish([_report(i + 3, s, shared=[("total", "sum", small)]) for i, s in enumerate(saves)])
-    assert sorted(p.suffix for p in (tmp_path / "t").iterdir()) == [".data", ".reports"]
+    assert [p.suffix for p in (tmp_path / "t").iterdir()] == [".reports"]
+    assert [p.suffix for p in (tmp_path / DATA).iterdir()] == [".data"]
 
     back = read_new_reports(tmp_path / "t", set())
     assert [r["invoke"] for r in back] == [3, 4, 5]
@@ -64,8 +67,9 @@ def test_saves_gathered_into_the_file_come_back_as_views_of_one_mapping(tmp_path
     assert back[2]["shared"][0][2].untyped_storage().data_ptr() not in mapped
 
     back[0]["saves"]["resid"].zero_()  # the mapping is private: editing a result leaves the file as it was
-    again = read_new_reports(tmp_path / "t", set())
+    again = read_new_reports(tmp_path / "t", set())  # a second reader: one more claim
     assert torch.equal(again[0]["saves"]["resid"], expected[0]["resid"])
+    assert len(list((tmp_path / DATA).glob("*.claim"))) == 2
 
 
 def test_results_stay_readable_after_the_folder_is_removed(tmp_path):
@@ -96,7 +100,7 @@ def test_a_failed_write_leaves_no_file_and_the_rows_readable(tmp_path):
         with sink.batch("t", 0) as batch:
             saves = taken.assemble(batch.allocate)
             batch.finish([_report(0, {**saves[0], "lock": threading.Lock()})])
-    assert [p.suffix for p in (tmp_path / "t").iterdir()] == [".data"]  # no batch
+    assert not list((tmp_path / "t").iterdir())  # no batch
     # the fallback writes the report alone: its rows, views of the abandoned mapping, are pickled
     # whole, with only their own bytes
     sink.write("t", 0, [_report(0, saves[0])])
@@ -105,10 +109,10 @@ def test_a_failed_write_leaves_no_file_and_the_rows_readable(tmp_path):
     assert torch.equal(read_new_reports(tmp_path / "t", set())[0]["saves"]["resid"], taken.assemble()[0]["resid"])
 
 
-def test_the_data_file_is_reserved_ahead_batches_append_and_close_gives_back_the_rest(tmp_path):
+def test_the_data_file_is_reserved_ahead_batches_append_and_letting_go_gives_back_the_rest(tmp_path, monkeypatch):
     sink = DirSink(str(tmp_path))
     sink.reserve("t", 0, 8 << 20)  # ahead, while the trace runs
-    (data,) = (tmp_path / "t").glob("*.data")
+    (data,) = (tmp_path / DATA).glob("*.data")
     assert data.stat().st_blocks * 512 >= 8 << 20  # allocated, not a hole
 
     taken = _taken()
@@ -118,13 +122,73 @@ def test_the_data_file_is_reserved_ahead_batches_append_and_close_gives_back_the
             batch.finish([_report(first + i, s) for i, s in enumerate(taken.assemble(batch.allocate))])
     assert data.stat().st_blocks * 512 < 9 << 20  # the batches used the reservation, nothing more
     sink.close("t", 0)
-    assert data.stat().st_size == 2 * 4096  # truncated to the two regions (a page each)
+    assert data.stat().st_blocks * 512 >= 8 << 20  # kept whole, for a later trace
 
     back = read_new_reports(tmp_path / "t", set())
     assert [r["invoke"] for r in back] == [0, 1, 2, 3, 4, 5]
     for report, want in zip(back, expected + expected):
         assert all(torch.equal(report["saves"][name], value) for name, value in want.items())
     assert back[0]["saves"]["resid"].data_ptr() != back[3]["saves"]["resid"].data_ptr()
+
+    monkeypatch.setattr(sink_module, "KEEP_FILES", 0)  # the next trace's close lets go of both
+    sink.write("u", 0, [_report(0, {})])
+    sink.close("u", 0)
+    assert data.stat().st_size == 2 * 4096  # truncated to the two regions (a page each)
+    assert all(torch.equal(r["saves"]["resid"], want["resid"]) for r, want in zip(back, expected + expected))
+
+
+def _write_trace(sink: DirSink, trace: str, value: float) -> None:
+    rows = torch.full((4, 8), value)
+    saves = TakenSaves({"x": [(_chunk("x", rows, [0], [(0, 4)]), np.ones(1, dtype=bool))]}, np.array([0]))
+    with sink.batch(trace, 0) as batch:
+        batch.finish([_report(0, s) for s in saves.assemble(batch.allocate)])
+    sink.close(trace, 0)
+
+
+def _wait_for_claims_to_go(root: Path) -> None:
+    deadline = time.monotonic() + 10
+    while list((root / DATA).glob("*.claim")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not list((root / DATA).glob("*.claim")), "a claim outlived the results it was for"
+
+
+def test_a_data_file_is_written_again_only_once_nobody_can_read_its_rows(tmp_path):
+    """A rank reuses a trace's data file for a later trace (its pages are mapped, and on a GPU
+    pinned, already), but only once its batch files are gone and every reader has dropped the
+    rows it mapped: results held for as long as the user likes keep their values."""
+    sink = DirSink(str(tmp_path))
+
+    def files() -> list[str]:
+        return sorted(p.name for p in (tmp_path / DATA).glob("*.data"))
+
+    _write_trace(sink, "a", 1.0)
+    held = read_new_reports(tmp_path / "a", set())
+    discard(tmp_path / "a")  # read and discarded, as the driver does; the rows are still held
+    _write_trace(sink, "b", 2.0)
+    assert len(files()) == 2  # a's file is still someone's
+    assert held[0]["saves"]["x"].eq(1.0).all()
+
+    unread = files()
+    _write_trace(sink, "c", 3.0)  # b's batch is unread and its folder still there: a third file
+    assert len(files()) == 3
+    discard(tmp_path / "b")  # b's folder goes unread: nobody can read its rows
+    _write_trace(sink, "d", 4.0)
+    assert len(files()) == 3  # b's file was reused
+    assert held[0]["saves"]["x"].eq(1.0).all()
+
+    del held
+    _wait_for_claims_to_go(tmp_path)
+    for trace in ("c", "d"):
+        discard(tmp_path / trace)
+    reused = files()
+    for value, trace in enumerate("efg"):  # one at a time, each read and dropped: no new file
+        _write_trace(sink, trace, 5.0 + value)
+        got = read_new_reports(tmp_path / trace, set())
+        assert got[0]["saves"]["x"].eq(5.0 + value).all()
+        discard(tmp_path / trace)
+        del got
+        _wait_for_claims_to_go(tmp_path)
+    assert files() == reused and set(unread) <= set(files())
 
 
 def _longest_pause_while(work) -> float:
@@ -306,53 +370,12 @@ def test_a_gpu_process_pins_its_data_file_and_copies_into_it(tmp_path):
     on_disk.close()
 
 
-def test_a_read_folder_is_discarded_without_waiting_for_its_data_file_to_be_truncated(tmp_path):
-    """After the last report, the rank truncates the trace's data file (giving back pages it
-    reserved ahead and no batch used) while the reader removes the folder; removing the file waits
-    for the truncation, so the reader hands that to a thread of its own. Against shutil.rmtree in
-    the same place, in any of three tries; the folder goes, and the saves read from it stay."""
-    import shutil
-
-    from interlace.workers.sink import discard
-
-    taken = _taken()
-    expected = taken.assemble()
-    waits = []  # (discard's, rmtree's) per attempt
-    for attempt in range(3):
-        timings = []
-        for remove in (discard, lambda folder: shutil.rmtree(folder)):
-            trace = f"t{attempt}-{len(timings)}"
-            sink = DirSink(str(tmp_path))
-            sink.reserve(trace, 0, 256 << 20)  # ahead, far more than the batch uses
-            with sink.batch(trace, 0) as batch:
-                batch.finish([_report(i, s) for i, s in enumerate(taken.assemble(batch.allocate))])
-            back = read_new_reports(tmp_path / trace, set())
-            closing = threading.Thread(target=sink.close, args=(trace, 0))
-            closing.start()
-            time.sleep(0.002)  # the truncation is under way
-            started = time.perf_counter()
-            remove(tmp_path / trace)
-            timings.append(time.perf_counter() - started)
-            closing.join()
-            assert not (tmp_path / trace).exists()
-            assert torch.equal(back[2]["saves"]["probs"], expected[2]["probs"])
-        waits.append(tuple(timings))
-        if timings[0] < 0.5 * timings[1]:
-            break
-    else:
-        pytest.fail(f"discarding the folder was not under half of rmtree's wait: {waits}")
-    deadline = time.monotonic() + 10
-    while any(tmp_path.glob(".discarded-*")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not any(tmp_path.glob(".discarded-*")), "the discarded folder was never removed"
-
-
 def _mappings_of(path) -> list[str]:
     with open("/proc/self/maps") as maps:
         return [line for line in maps if str(path) in line]
 
 
-def test_dropping_read_results_leaves_freeing_their_pages_to_a_thread(tmp_path):
+def test_dropping_read_results_leaves_freeing_their_pages_to_a_thread(tmp_path, monkeypatch):
     """Once a trace's files are removed, whoever unmaps the data file last frees its pages: about
     60 ms per 512 MiB on a 2-core CPU, wherever results are dropped (a sweep's loop, a replica's
     event loop). Results read from a report leave that to a thread: dropping them takes under half
@@ -364,6 +387,7 @@ def test_dropping_read_results_leaves_freeing_their_pages_to_a_thread(tmp_path):
     rows = torch.ones(size // 4096, 2048, dtype=torch.bfloat16)
     saves = TakenSaves({"big": [(_chunk("big", rows, [0], [(0, len(rows))]), np.ones(1, dtype=bool))]}, np.array([0]))
     drops = []  # (ours, plain) per attempt
+    monkeypatch.setattr(sink_module, "KEEP_FILES", 0)  # the rank lets go of the data file at once
     for attempt in range(3):
         sink = DirSink(str(tmp_path))
         with sink.batch(f"t{attempt}", 0) as batch:
@@ -372,7 +396,8 @@ def test_dropping_read_results_leaves_freeing_their_pages_to_a_thread(tmp_path):
         del batch  # the writer's mapping (a rank's), with the rows it wrote
         back = read_new_reports(tmp_path / f"t{attempt}", set())
         assert torch.equal(back[0]["saves"]["big"][-1], rows[-1])
-        (data,) = (tmp_path / f"t{attempt}").glob("*.data")
+        data = next(p for p in (tmp_path / DATA).glob("*.data") if _mappings_of(p))
+        data.unlink()
         for path in (tmp_path / f"t{attempt}").iterdir():
             path.unlink()
         started = time.perf_counter()
@@ -409,7 +434,8 @@ def test_a_script_that_ends_holding_read_results_exits_quietly(tmp_path):
     script = f"""
 import numpy as np, torch
 from interlace.workers.saves import SaveChunk, TakenSaves
-from interlace.workers.sink import DirSink, read_new_reports
+from interlace.workers import sink as sink_module
+from interlace.workers.sink import DATA, DirSink, discard, read_new_reports
 rows = torch.ones(8, 4)
 one = np.array([0])
 saves = TakenSaves({{"x": [(SaveChunk("x", rows, None, one, one, one + 8, 1), np.ones(1, dtype=bool))]}}, one)
@@ -450,3 +476,29 @@ def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
     time.sleep(0.3)
     with pytest.raises(RuntimeError, match="a worker may have died"):
         eager.poll()
+
+
+def test_an_engine_writes_a_data_file_again_only_after_the_results_in_it_are_dropped(llama):
+    """The same on a real engine: results held while later traces run keep their values, and a
+    loop that drops each trace's results before the next one runs reuses one data file."""
+    from interlace import ops
+
+    save = [ops.save("layers.1.resid")]
+    data_files = lambda: sorted((llama._sink_root / DATA).glob("*.data"))  # noqa: E731
+
+    held = llama.generate("The capital of France is", ops=save, max_tokens=4, ignore_eos=True)
+    kept = held.saves["layers.1.resid"].clone()
+    for prompt in ("Once upon a time", "1, 2, 3, 4, 5,"):  # other rows, written while held is held
+        other = llama.generate(prompt, ops=save, max_tokens=4, ignore_eos=True)
+        assert not torch.equal(other.saves["layers.1.resid"][-1], kept[-1])
+    assert torch.equal(held.saves["layers.1.resid"], kept)
+
+    del held, other
+    _wait_for_claims_to_go(llama._sink_root)
+    before = data_files()
+    for _ in range(3):
+        out = llama.generate("The capital of France is", ops=save, max_tokens=4, ignore_eos=True)
+        assert torch.equal(out.saves["layers.1.resid"], kept)
+        del out
+        _wait_for_claims_to_go(llama._sink_root)
+    assert data_files() == before

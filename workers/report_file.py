@@ -1,33 +1,43 @@
 """Report files: a rank's saved rows for a trace, and its reports in batches, mapped by the driver.
 
-    <trace>/<stage>-<pid>-<n>.data     the saved rows of every batch this rank reports for the
-                                       trace, appended region by region (each tensor 64-byte
-                                       aligned, each region page aligned)
+    .data/<stage>-<pid>-<n>.data       saved rows: every batch a rank reports for one trace, appended
+                                       region by region (each tensor 64-byte aligned, each region
+                                       page aligned); reused by a later trace once read and dropped
     <trace>/<stage>-<invoke>.reports   one batch: [prefix: data file, region][header: pickled reports]
+    .data/<data>.<batch>-<pid>-<n>.claim   a reader's hard link to a batch file, while it maps the region
 
 Gathering a sweep's saves into memory that nobody has touched yet is mostly the kernel finding and
-mapping pages (of 0.33 s for 512 MiB on an H200 host, most was that, not copying). So the data
-file is reserved ahead: while the trace runs, the reporter thread (idle then) allocates and maps
-pages as the saves grow (:meth:`DataFile.reserve`), and gathering a batch into its region is a
-plain copy. The header holds everything else (the report dicts, values that are not rows, shared
+mapping pages (of 0.33 s for 512 MiB on an H200 host, most was that, not copying), and on a GPU
+registering them with CUDA (pinning) holds the driver's lock that the engine thread's launches
+take. So the data file is reserved ahead: while the trace runs, the reporter thread (idle then)
+allocates, maps and pins pages as the saves grow (:meth:`DataFile.reserve`), and gathering a batch
+into its region is a plain copy. And once every batch's results have been dropped by their readers,
+the rank reuses the file, its pages mapped and pinned already, for its next trace
+(:meth:`DataFile.free`): a loop of traces or a sweep's shards reserves nothing after its first.
+
+The header holds everything else (the report dicts, values that are not rows, shared
 contributions, errors), pickled with each tensor of the batch's region replaced by a reference to
-it (offset, dtype, shape, strides); any other tensor is pickled whole. The driver maps the region
-copy-on-write and rebuilds those tensors as views of it: nothing is copied on read, and a user
-editing a result does not change the file.
+it (offset, dtype, shape, strides); any other tensor is pickled whole. A reader links the batch
+file into ``.data`` (its claim), maps the region copy-on-write and rebuilds those tensors as views
+of it: nothing is copied on read, and a user editing a result does not change the file. The claim
+goes when the last of those views does. The rank keeps each batch file open and reuses the data
+file only when none of them has a name left (the trace's folder removed, every claim gone), so
+results held for as long as the user likes stay as they were read.
 
     data = DataFile(folder / "0-123-0.data"); data.reserve(512 << 20)   (ahead, reporter thread)
-    writer = ReportFileWriter(fd, data)
+    writer = ReportFileWriter(fd, data, header_folder)
     l3, l4 = writer.allocate([((n, 2048), torch.bfloat16), ((n, 2048), torch.bfloat16)])
     ...gather rows into l3 and l4; put views of them in the reports...
-    writer.finish(reports)
-    data.close()                                                       (the trace's last batch)
+    writer.finish(reports); data.watch(open batch file)
     read_report_file(path)  ->  the reports; their rows are views of one copy-on-write mapping
+    data.free()  ->  True once the batch files are gone and every reader dropped its rows
 """
 
 from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import math
 import mmap
 import os
@@ -98,7 +108,8 @@ class DataFile:
     """One trace's saved rows on one rank; batches append regions. Used from one thread.
 
     The file is sparse at a large size and mapped once, so reserving more never remaps and a
-    region is a slice of one mapping. :meth:`close` truncates it to what batches used.
+    region is a slice of one mapping. Once :meth:`free`, :meth:`restart` makes it a new trace's;
+    :meth:`close` truncates it to what batches used and lets go of it.
     """
 
     def __init__(self, path: Path):
@@ -109,6 +120,7 @@ class DataFile:
         self.pinned = 0  # the first bytes, whole slices, registered with CUDA (see copy_to_host)
         self._cudart = _Cudart.get()
         self._refused = False  # CUDA refused a slice: the rest stays pageable
+        self._batches: list[int] = []  # open batch files with regions here, since the file was (re)started
 
     def reserve(self, nbytes: int) -> None:
         """Allocate and map the first ``nbytes`` now, so that writing them later faults nothing."""
@@ -153,9 +165,34 @@ class DataFile:
         self.used = _round_up(start + nbytes, _PAGE)
         return start, self.bytes[start : start + nbytes]
 
+    def watch(self, batch_fd: int) -> None:
+        """A batch file with a region here was published: ``batch_fd`` is open on it, and kept
+        (the file's link count tells when nobody can read the region any more)."""
+        self._batches.append(batch_fd)
+
+    def free(self) -> bool:
+        """Whether nobody can read this file's regions any more: every batch file has lost all
+        its names (its trace's folder removed, every reader's claim given back)."""
+        if any(os.fstat(fd).st_nlink for fd in self._batches):
+            return False
+        self._forget_batches()
+        return True
+
+    def restart(self) -> None:
+        """A new trace's, from the start; its reserved (and pinned) pages stay. Only once :meth:`free`."""
+        if not self.free():
+            raise RuntimeError(f"{self.path} still has readers")
+        self.used = 0
+
+    def _forget_batches(self) -> None:
+        for fd in self._batches:
+            os.close(fd)
+        self._batches = []
+
     def close(self) -> None:
         """No more batches: give back reserved pages no region used. Tensors viewing the file keep
         its mapping until they are dropped."""
+        self._forget_batches()
         if self.bytes is not None:
             base = self.bytes.data_ptr()
             _pinned_files.pop(base, None)
@@ -195,12 +232,14 @@ def copy_to_host(out: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 class ReportFileWriter:
-    """Writes one batch's header file into ``fd`` (an empty file the caller created, names and
-    closes); its saved rows go to a region of ``data``."""
+    """Writes one batch's header file into ``fd`` (an empty file the caller created and names); its
+    saved rows go to a region of ``data``, which the caller tells of the file (:meth:`DataFile.watch`)."""
 
-    def __init__(self, fd: int, data: DataFile | None):
+    def __init__(self, fd: int, data: DataFile | None, folder: Path | None = None):
+        """``folder``: where the header file will be (the data file is named relative to it)."""
         self._fd = fd
         self._data = data
+        self._folder = folder
         self._region: tuple[int, int] = (0, 0)  # start and length in the data file; none yet
         self.reports: list[dict] | None = None  # set by finish()
 
@@ -221,9 +260,16 @@ class ReportFileWriter:
         return [region[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
                 for offset, (shape, dtype) in zip(offsets, specs)]
 
+    @property
+    def has_region(self) -> bool:
+        """Whether the batch's rows went to a region of the data file."""
+        return bool(self._region[1])
+
     def finish(self, reports: list[dict]) -> None:
         """Write the prefix (where the region is) and ``reports`` pickled as the header."""
-        name = self._data.path.name.encode() if self._region[1] else b""
+        name = b""
+        if self._region[1]:
+            name = (os.path.relpath(self._data.path, self._folder) if self._folder else self._data.path.name).encode()
         with io.BufferedWriter(io.FileIO(self._fd, "wb", closefd=False), buffer_size=1 << 20) as out:
             out.write(_PREFIX.pack(_MAGIC, *self._region, len(name)) + name)
             _HeaderPickler(out, self._data.bytes if self._region[1] else None, *self._region).dump(reports)
@@ -237,11 +283,25 @@ def read_report_file(path: Path) -> list[dict]:
         magic, start, length, name_len = _PREFIX.unpack(f.read(_PREFIX.size))
         if magic != _MAGIC:
             raise ValueError(f"{path} is not an interlace report file (prefix {magic!r})")
-        name = f.read(name_len).decode()
-        return _HeaderUnpickler(f, _map_private(path.parent / name, start, length) if length else None).load()
+        # resolved now: the claim must stay reachable once the folder the name starts from is gone
+        data = Path(os.path.normpath(path.parent / f.read(name_len).decode()))
+        if not length:
+            return _HeaderUnpickler(f, None).load()
+        # The claim, before mapping: while it exists the rank writes none of the region again.
+        claim = data.with_name(f"{data.name}.{path.name}-{os.getpid()}-{next(_claims)}.claim")
+        os.link(path, claim)
+        try:
+            region = _map_private(data, start, length, claim)
+        except BaseException:
+            claim.unlink()
+            raise
+        return _HeaderUnpickler(f, region).load()
 
 
-def _map_private(path: Path, start: int, length: int) -> torch.Tensor:
+_claims = itertools.count()
+
+
+def _map_private(path: Path, start: int, length: int, claim: Path) -> torch.Tensor:
     fd = os.open(path, os.O_RDONLY)
     try:
         region = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
@@ -254,27 +314,30 @@ def _map_private(path: Path, start: int, length: int) -> torch.Tensor:
         os.close(fd)
     # Called after the region's own unmapping; not at exit, where the system unmaps everything and
     # Python 3.12 refuses to start the thread (a traceback after a script that kept its results).
-    weakref.finalize(region, _unmap_later, keeper).atexit = False
+    weakref.finalize(region, _unmap_later, keeper, claim).atexit = False
     return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
 
 
-_unmapping: "queue.SimpleQueue[mmap.mmap] | None" = None  # served by one thread, started at first use
+_unmapping: "queue.SimpleQueue[tuple[mmap.mmap, Path]] | None" = None  # one thread serves it, from first use
 # Finalizers run on whichever thread drops results, even one holding this lock (a collection there).
 _unmapping_lock = threading.RLock()
 
 
-def _unmap_later(keeper: mmap.mmap) -> None:
+def _unmap_later(keeper: mmap.mmap, claim: Path) -> None:
+    """After a region's last view is gone: unmap its keeper and give back its claim, on a thread."""
     global _unmapping
     with _unmapping_lock:
         if _unmapping is None:
             _unmapping = queue.SimpleQueue()
             threading.Thread(target=_unmap_forever, args=(_unmapping,), name="interlace-unmap", daemon=True).start()
-        _unmapping.put(keeper)
+        _unmapping.put((keeper, claim))
 
 
-def _unmap_forever(keepers: "queue.SimpleQueue[mmap.mmap]") -> None:
+def _unmap_forever(done: "queue.SimpleQueue[tuple[mmap.mmap, Path]]") -> None:
     while True:
-        keepers.get().close()
+        keeper, claim = done.get()
+        keeper.close()
+        claim.unlink(missing_ok=True)  # the rank may write the region again
 
 
 def _forget_unmapping() -> None:

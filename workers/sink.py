@@ -2,10 +2,11 @@
 
 Reports bypass vLLM's engine-core process, so large tensors never travel through it. For a single
 local engine the sink is a folder (``dir:/path``): per trace, one data file per rank holding the
-saved rows, reserved ahead while the trace runs, and one header file per batch of invokes a rank
-reported together (a trace's invokes usually finish in the same step), written under a
+saved rows, reserved ahead while the trace runs (in ``.data/``, reused by later traces once their
+readers have dropped the rows), and one header file per batch of invokes a rank reported together
+(a trace's invokes usually finish in the same step) in the trace's folder, written under a
 ``.partial-*`` name and renamed into place once complete; the driver reads them as they appear
-(:mod:`report_file`). The cluster's collector actor is another sink kind.
+(:mod:`report_file`).
 
 Used on each rank from its reporter thread only (a sink keeps the trace's open data files).
 """
@@ -17,30 +18,39 @@ import itertools
 import os
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 from typing import Iterator
 
 from interlace.workers.report_file import DataFile, ReportFileWriter, read_report_file
 
 SUFFIX = ".reports"
+DATA = ".data"  # the sink's data files, and readers' claims on them
+# Data files kept after their trace, for later traces to reuse: their pages stay allocated (and,
+# on a GPU, pinned) while kept. A file still held by its readers counts too; past either limit
+# the oldest is closed (its readers' views stay valid).
+KEEP_FILES = 8
+KEEP_BYTES = 4 << 30
+_numbers = itertools.count()  # data file names: unique in the process, whichever sink makes them
 
 
 class DirSink:
     def __init__(self, root: str):
         self.root = Path(root)
         self._data: dict[tuple[str, int], DataFile] = {}  # (trace, stage) -> its open data file
-        self._numbers = itertools.count()
+        self._kept: list[DataFile] = []  # data files of finished traces, oldest first
 
     def reserve(self, trace: str, stage: int, nbytes: int) -> None:
         """Have the trace's data file hold ``nbytes`` (all its batches' rows) allocated and mapped."""
         self._data_file(trace, stage).reserve(nbytes)
 
     def close(self, trace: str, stage: int) -> None:
-        """The trace's last batch on this rank is written: truncate and close its data file."""
+        """The trace's last batch on this rank is written: keep its data file for a later trace."""
         data = self._data.pop((trace, stage), None)
-        if data is not None:
-            data.close()
+        if data is None:
+            return
+        self._kept.append(data)
+        while len(self._kept) > KEEP_FILES or sum(d.reserved for d in self._kept) > KEEP_BYTES:
+            self._kept.pop(0).close()
 
     @contextlib.contextmanager
     def batch(self, trace: str, stage: int) -> Iterator[ReportFileWriter]:
@@ -49,18 +59,23 @@ class DirSink:
         a stage reports each invoke once) when the block ends; a failure leaves no header behind
         (its region of the data file stays unused)."""
         data = self._data_file(trace, stage)
-        fd, tmp = tempfile.mkstemp(dir=data.path.parent, prefix=".partial-")
+        folder = self.root / trace
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
         try:
-            batch = ReportFileWriter(fd, data)
+            batch = ReportFileWriter(fd, data, folder)
             yield batch
             if batch.reports is None:
                 raise RuntimeError("a report batch ended without finish(reports)")
+            os.replace(tmp, folder / f"{stage}-{min(r['invoke'] for r in batch.reports)}{SUFFIX}")
         except BaseException:
             os.close(fd)
-            os.unlink(tmp)  # saves already gathered stay readable: their mapping outlives the name
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # saves already gathered stay readable: their mapping outlives the name
             raise
-        os.close(fd)
-        os.replace(tmp, data.path.parent / f"{stage}-{min(r['invoke'] for r in batch.reports)}{SUFFIX}")
+        if batch.has_region:
+            data.watch(fd)  # kept open: its link count says when the region is nobody's any more
+        else:
+            os.close(fd)
 
     def write(self, trace: str, stage: int, reports: list[dict]) -> None:
         """A batch whose tensors are all pickled in its header (none gathered into the data file)."""
@@ -68,11 +83,18 @@ class DirSink:
             batch.finish(reports)
 
     def _data_file(self, trace: str, stage: int) -> DataFile:
+        """The trace's data file: a kept one no reader holds any more, or a new one."""
         if (trace, stage) not in self._data:
-            folder = self.root / trace
-            folder.mkdir(parents=True, exist_ok=True)
-            name = f"{stage}-{os.getpid()}-{next(self._numbers)}.data"
-            self._data[(trace, stage)] = DataFile(folder / name)
+            (self.root / trace).mkdir(parents=True, exist_ok=True)
+            data = next((d for d in self._kept if d.free()), None)
+            if data is not None:
+                self._kept.remove(data)
+                data.restart()
+            else:
+                folder = self.root / DATA
+                folder.mkdir(parents=True, exist_ok=True)
+                data = DataFile(folder / f"{stage}-{os.getpid()}-{next(_numbers)}.data")
+            self._data[(trace, stage)] = data
         return self._data[(trace, stage)]
 
 
@@ -89,19 +111,9 @@ def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
 
 
 def discard(folder: Path) -> None:
-    """Remove a trace's folder once its reports are read, without waiting for it. The rank that
-    wrote them may still be truncating the trace's data file (giving back the pages it reserved
-    ahead and no batch used), and removing the file waits for that: about 35 ms per 128 MiB of
-    /dev/shm on a 2-core CPU and an H100 host alike, after the trace's last report, which was the
-    caller's time. Saves read from the folder stay valid: their mappings outlive it."""
-    hidden = folder.with_name(f".discarded-{folder.name}")
-    try:
-        os.rename(folder, hidden)  # the name is free at once; the files go in the background
-    except FileNotFoundError:
-        return
-    except OSError:  # e.g. a discarded folder of that name is still being removed
-        hidden = folder
-    threading.Thread(target=shutil.rmtree, args=(hidden, True), name="interlace-discard", daemon=True).start()
+    """Remove a trace's folder once its reports are read: headers only (rows read from it are views
+    of the data file, which the rank keeps)."""
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def writing_reports(root: Path) -> bool:
