@@ -191,6 +191,40 @@ def test_a_data_file_is_written_again_only_once_nobody_can_read_its_rows(tmp_pat
     assert files() == reused and set(unread) <= set(files())
 
 
+def test_a_forked_child_keeps_the_rows_it_holds_after_the_parent_drops_its_own(tmp_path):
+    """A child forked while results are held (a data loader's worker, say) sees the same private
+    mapping and takes claims of its own: the parent dropping its results does not let the rank
+    write there while the child may still read them."""
+    import multiprocessing
+
+    sink = DirSink(str(tmp_path))
+    _write_trace(sink, "a", 1.0)
+    held = read_new_reports(tmp_path / "a", set())
+    discard(tmp_path / "a")
+    fork = multiprocessing.get_context("fork")
+    go, sums = fork.Event(), fork.Queue()
+
+    def child() -> None:
+        go.wait(30)
+        sums.put(float(held[0]["saves"]["x"].sum()))
+
+    reader = fork.Process(target=child)
+    reader.start()
+    try:
+        del held
+        deadline = time.monotonic() + 10
+        while len(list((tmp_path / DATA).glob("*.claim"))) > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(list((tmp_path / DATA).glob("*.claim"))) == 1  # the child's
+        _write_trace(sink, "b", 7.0)
+        assert len(list((tmp_path / DATA).glob("*.data"))) == 2  # a's file is still the child's
+        go.set()
+        assert sums.get(timeout=30) == 32.0  # 4 x 8 ones, not sevens
+    finally:
+        go.set()
+        reader.join(30)
+
+
 def _longest_pause_while(work) -> float:
     """The longest this thread went without running while ``work`` ran in another thread."""
     failed: list[BaseException] = []

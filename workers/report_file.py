@@ -312,10 +312,25 @@ def _map_private(path: Path, start: int, length: int, claim: Path) -> torch.Tens
         keeper = mmap.mmap(fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
     finally:
         os.close(fd)
+    _hold(region, keeper, claim)
+    return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+
+
+_held: dict[Path, weakref.finalize] = {}  # this process's claims, until their regions are gone
+
+
+def _hold(region: mmap.mmap, keeper: mmap.mmap, claim: Path) -> None:
+    """Give back ``claim`` (and unmap ``keeper``) once ``region`` is gone."""
+    done = weakref.finalize(region, _release, keeper, claim)
     # Called after the region's own unmapping; not at exit, where the system unmaps everything and
     # Python 3.12 refuses to start the thread (a traceback after a script that kept its results).
-    weakref.finalize(region, _unmap_later, keeper, claim).atexit = False
-    return torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    done.atexit = False
+    _held[claim] = done
+
+
+def _release(keeper: mmap.mmap, claim: Path) -> None:
+    _held.pop(claim, None)
+    _unmap_later(keeper, claim)
 
 
 _unmapping: "queue.SimpleQueue[tuple[mmap.mmap, Path]] | None" = None  # one thread serves it, from first use
@@ -340,12 +355,46 @@ def _unmap_forever(done: "queue.SimpleQueue[tuple[mmap.mmap, Path]]") -> None:
         claim.unlink(missing_ok=True)  # the rank may write the region again
 
 
-def _forget_unmapping() -> None:
+_forks = itertools.count()
+_for_child: dict[Path, Path] = {}  # claim -> the claim of the child being forked
+
+
+def _before_fork() -> None:
+    """A forked child (a data loader's worker, say) holds the parent's views too, and may read
+    them after the parent has dropped its own: it gets claims of its own, made here in the parent
+    while the parent still holds them (the parent may drop its own before the child runs a line).
+    A child that ends without dropping them (through os._exit) leaves them: the rank then never
+    writes those data files again."""
+    _for_child.clear()
+    for claim in _held.copy():  # a copy: a collection here may give claims back (_release)
+        mine = claim.with_name(f"{claim.stem}-{os.getpid()}-fork{next(_forks)}.claim")
+        try:
+            os.link(claim, mine)
+        except FileNotFoundError:  # given back meanwhile, or its sink's folder removed (no rank writes there)
+            continue
+        _for_child[claim] = mine
+
+
+def _after_fork_in_parent() -> None:
+    _for_child.clear()  # the child's now
+
+
+def _after_fork_in_child() -> None:
     global _unmapping
-    _unmapping = None  # a forked child has no thread serving it: its first drop starts one
+    _unmapping = None  # no thread serves it here: the child's first drop starts one
+    for claim, done in _held.copy().items():
+        _held.pop(claim, None)
+        held = done.detach()  # the parent's claim is the parent's to give back
+        mine = _for_child.pop(claim, None)
+        if held is not None and mine is not None:
+            region, _release_it, (keeper, _claim), _kwargs = held
+            _hold(region, keeper, mine)
+    for mine in _for_child.values():  # a region gone before the fork: nothing to hold
+        mine.unlink(missing_ok=True)
+    _for_child.clear()
 
 
-os.register_at_fork(after_in_child=_forget_unmapping)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class _HeaderPickler(pickle.Pickler):
