@@ -38,13 +38,17 @@ _POLL_S = 0.005
 class Replica:
     """Use through :func:`replica_actor`; ``ready()`` starts the engine (idempotent)."""
 
-    def __init__(self, config: dict, index: int = 0, collector=None, name: str = "serve",
+    def __init__(self, config: dict, index: int = 0, collector: str | None = None, name: str = "serve",
                  overrides: dict | None = None, state=None):
+        """``collector``: the name of the collector actor its reports go to. A name, not a handle:
+        Ray cannot promise to restart an actor whose constructor was given an actor handle (its
+        arguments are then held by reference, ray-project/ray#53727)."""
         from interlace.model import _fast_tmp
 
         self.config = ModelConfig.model_validate(config)
         self.index = index
-        self.collector = collector
+        self.collector_name = collector
+        self._collector = None  # its handle, looked up at the first report
         self.overrides = overrides or {}
         self.state = None  # a Serve application's shared state: this replica's gauges go there
         if state is not None:
@@ -183,13 +187,20 @@ class Replica:
             watcher.poll()
         return watcher
 
+    def _collector_handle(self):
+        import ray
+
+        if self._collector is None:
+            self._collector = ray.get_actor(self.collector_name)
+        return self._collector
+
     async def _run(self, engine, task: ShardTask) -> list[Completion]:
         outputs = await self._generate(engine, task)
         expected = set(task.expected())
         if expected:
             reports = await self._reports(task, expected)
             try:
-                await self.collector.report.remote(reports)
+                await self._collector_handle().report.remote(reports)
             except Exception as exc:  # noqa: BLE001 - a restarted collector: the driver re-runs the trace
                 print(f"interlace replica {self.index}: the collector did not take {task.wire_trace}'s reports: {exc!r}", flush=True)
         return [Completion.from_vllm(out) for out in outputs]

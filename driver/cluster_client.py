@@ -126,7 +126,7 @@ class Cluster:
         # Before a placement group waits forever for a node this cluster will never have.
         check_fits_a_node(cfg)
         self._room = asyncio.Condition()
-        self.collector = start_collector()
+        self.collector = start_collector(name=f"{self.name}-collector")
         self._node = ray.get_runtime_context().get_node_id()  # replicas here leave saves in files for us
         for index in range(cfg.replicas):
             group = placement_group([replica_bundle(cfg)], name=f"{self.name}-r{index}")
@@ -135,7 +135,7 @@ class Cluster:
             await slot.placement_group.ready()
             cores = cfg.cpu_cores[slot.index % len(cfg.cpu_cores)] if cfg.cpu_cores else None
             slot.actor = replica_actor(slot.placement_group, cfg, cores).remote(
-                cfg.model.model_dump(), slot.index, self.collector, f"{self.name}-r{slot.index}", engine_overrides)
+                cfg.model.model_dump(), slot.index, f"{self.name}-collector", f"{self.name}-r{slot.index}", engine_overrides)
         infos = await asyncio.gather(*(slot.actor.ready.remote() for slot in self._replicas))
         for slot, info in zip(self._replicas, infos):
             slot.state, slot.node, slot.pid = "alive", info["node"], info["pid"]
