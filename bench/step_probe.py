@@ -7,9 +7,12 @@ it also reports synchronising CUDA calls made inside interlace's own code (torch
 mode, switched on only while interlace code runs), the usual reason a hook stalls vLLM's
 asynchronous scheduling.
 
+PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each check costs
+microseconds per call, which inflates the finer phases).
+
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
        [--graphs] [--taps] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
-       [--blocking-sync]
+       [--blocking-sync] [--timeline]
 Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
 the machine may drift between runs minutes apart, so compare a case with its own variants.
 A case named ``NAME@host`` runs NAME with saves copied to pinned host memory at once instead of
@@ -29,6 +32,7 @@ import warnings
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 TOTALS: dict[str, float] = collections.defaultdict(float)
+CPU_TOTALS: dict[str, float] = collections.defaultdict(float)  # the calling thread's CPU time in each label
 COUNTS: dict[str, int] = collections.defaultdict(int)
 SYNCS: collections.Counter = collections.Counter()
 LAST_STEP_END = [None]  # when the interleaver last ended a step (the trace's last forward pass)
@@ -36,6 +40,7 @@ SAVES_ON_HOST = [False]  # a case@host: the device room refuses every save
 PROFILE: list = [None]  # --profile: a cProfile.Profile enabled only inside the runner's steps
 EVENTS: list[tuple[str, float, float]] = []  # (label, start, end) of every timed call, for the tail's timeline
 STEPS: list[tuple[int, float, float]] = []  # per runner step: tokens scheduled, wall seconds, engine thread CPU seconds
+STEP_STARTS: list[tuple[int, int]] = []  # per runner step: tokens scheduled, time.time_ns() at its start (--timeline)
 
 
 def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
@@ -46,9 +51,25 @@ def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
         return
     cuda = torch.cuda.is_available()
 
+    if not debug_sync or os.environ.get("PROBE_LIGHT"):  # no sync checks: a few us less per call
+        @functools.wraps(original)
+        def light(*args, **kwargs):
+            started, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ended = time.perf_counter()
+                TOTALS[label] += ended - started
+                CPU_TOTALS[label] += time.thread_time() - cpu
+                COUNTS[label] += 1
+                EVENTS.append((label, started, ended))
+
+        setattr(owner, name, light)
+        return
+
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         mode = torch.cuda.get_sync_debug_mode() if cuda and debug_sync else None
         if mode is not None:
             torch.cuda.set_sync_debug_mode(1)
@@ -64,6 +85,7 @@ def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
                         SYNCS[f"{label}: {w.filename}:{w.lineno}"] += 1
             ended = time.perf_counter()
             TOTALS[label] += ended - started
+            CPU_TOTALS[label] += time.thread_time() - cpu
             COUNTS[label] += 1
             EVENTS.append((label, started, ended))
 
@@ -79,6 +101,7 @@ def time_steps(owner) -> None:
     @functools.wraps(original)
     def wrapper(self, scheduler_output, *args, **kwargs):
         wall, cpu = time.perf_counter(), time.thread_time()
+        STEP_STARTS.append((getattr(scheduler_output, "total_num_scheduled_tokens", 0), time.time_ns()))
         if PROFILE[0] is not None:
             PROFILE[0].enable()
         try:
@@ -120,6 +143,65 @@ def print_steps() -> None:
     slowest = np.argsort(-wall)[:5]
     print("  slowest steps (index, tokens, wall ms, cpu ms): "
           + ", ".join(f"({i}, {tokens[i]}, {1000 * wall[i]:.1f}, {1000 * cpu[i]:.1f})" for i in sorted(slowest)))
+
+
+def print_timeline(events, seconds: float, top: int = 12) -> None:
+    """What the GPU did during one trace (CUDA activity of torch's profiler: kernels, copies,
+    memsets, graph replays' kernels included): how long it was busy, how long it sat idle between
+    kernels (waiting for the host), and, per decode step, busy time against the step's wall time.
+    A case whose steps add host work shows as more idle time at the same busy time; one that adds
+    GPU work, as more busy time."""
+    import numpy as np
+
+    gpu = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events
+                 if str(e.device_type()).endswith("CUDA") and e.end_ns() > e.start_ns())
+    if not gpu:
+        print("  timeline: no GPU activity recorded")
+        return
+    starts = np.array([g[0] for g in gpu], dtype=np.int64)
+    ends = np.maximum.accumulate(np.array([g[1] for g in gpu], dtype=np.int64))
+    gaps = np.maximum(0, starts[1:] - ends[:-1])  # idle between one kernel's end (or an overlapping one's) and the next start
+    span = ends[-1] - starts[0]
+    idle = int(gaps.sum())
+    print(f"  timeline: GPU span {span / 1e6:.1f} ms of a {1000 * seconds:.1f} ms trace, busy {(span - idle) / 1e6:.1f} ms, "
+          f"idle between kernels {idle / 1e6:.1f} ms ({(gaps > 50_000).sum()} gaps over 50 us: {gaps[gaps > 50_000].sum() / 1e6:.1f} ms)")
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for start, end, name in gpu:
+        entry = by_name[name[:90]]
+        entry[0] += (end - start) / 1e6
+        entry[1] += 1
+    for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {ms:8.2f} ms {count:6d}x  {name}")
+    marks = [(tokens, ns) for tokens, ns in STEP_STARTS if starts[0] - 10**9 < ns < ends[-1] + 10**9]
+    if len(marks) < 3:
+        print(f"  timeline: steps not aligned with the GPU clock ({len(STEP_STARTS)} step marks)")
+        return
+    busy_in, walls = [], []
+    for (tokens, begin), (_t, end) in zip(marks, marks[1:]):
+        if tokens > 512:
+            continue
+        lo, hi = np.searchsorted(starts, begin), np.searchsorted(starts, end)
+        busy = np.clip(np.minimum(ends[lo:hi], end) - np.maximum(starts[lo:hi], begin), 0, None)
+        busy_in.append(busy.sum() / 1e6)  # overlapping kernels count twice: an upper bound
+        walls.append((end - begin) / 1e6)
+    busy_in, walls = np.array(busy_in), np.array(walls)
+    print(f"  timeline, decode steps ({len(walls)}), start to next start: wall ms median {np.median(walls):.3f}, "
+          f"GPU busy ms median {np.median(busy_in):.3f}, GPU busy / wall {busy_in.sum() / walls.sum():.2f}")
+
+
+def print_copy_sources(prof, top: int = 8) -> None:
+    """Which host calls launched the trace's device-to-host copies (CPU and CUDA activity, with
+    Python stacks): counts by launching op and the innermost frames of interlace or vLLM."""
+    sources: collections.Counter = collections.Counter()
+    for event in prof.events():
+        copies = [k for k in getattr(event, "kernels", []) if "DtoH" in k.name or "HtoD" in k.name]
+        if not copies:
+            continue
+        frames = [f for f in (event.stack or []) if "interlace" in f or "vllm" in f or "workers/" in f][:4]
+        sources[(copies[0].name, event.name, " < ".join(frames))] += len(copies)
+    print("  copies between host and device, by launching call:")
+    for (kind, name, frames), count in sources.most_common(top):
+        print(f"    {count:6d}x {kind} from {name}: {frames}")
 
 
 def _gc_timer(phase: str, info: dict) -> None:
@@ -200,7 +282,13 @@ def install_probes() -> None:
 
     time_steps(Worker)
     take = saves.DeviceRoom.take
-    saves.DeviceRoom.take = lambda self, nbytes, device: not SAVES_ON_HOST[0] and take(self, nbytes, device)
+
+    def take_(self, nbytes, device):
+        kept = not SAVES_ON_HOST[0] and take(self, nbytes, device)
+        _add(f"  saves kept on the device: {kept} (room limit {self.limit})", 0.0)
+        return kept
+
+    saves.DeviceRoom.take = take_
     timed(Worker, "execute_model", "runner.execute_model", debug_sync=False)
     timed(Worker, "sample_tokens", "runner.sample_tokens", debug_sync=False)
     # vLLM's own phases, to see which of them a case slows down (V2 runner names; V1 lacks some)
@@ -210,6 +298,28 @@ def install_probes() -> None:
         for phase in ("finish_requests", "add_requests", "update_requests", "prepare_inputs", "prepare_attn",
                       "sample", "postprocess_sampled"):
             timed(V2Runner, phase, f"  vllm: {phase}", debug_sync=False)
+    # the engine core's loop around the runner (this probe runs it in the engine thread): where a
+    # step's time goes outside the runner, and how long the loop waits for the GPU's outputs
+    with contextlib.suppress(ImportError):
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        timed(LLMEngine, "step", "llm engine: step", debug_sync=False)
+        timed(EngineCore, "step_with_batch_queue", "engine core: step (batch queue)", debug_sync=False)
+        timed(EngineCore, "step", "engine core: step", debug_sync=False)
+        timed(Scheduler, "schedule", "  engine core: schedule", debug_sync=False)
+        timed(Scheduler, "update_from_output", "  engine core: update_from_output", debug_sync=False)
+        timed(OutputProcessor, "process_outputs", "output processor: process_outputs", debug_sync=False)
+    with contextlib.suppress(ImportError):
+        from vllm.v1.worker.gpu import async_utils
+
+        for name in dir(async_utils):
+            owner = getattr(async_utils, name)
+            if isinstance(owner, type) and "get_output" in vars(owner):
+                timed(owner, "get_output", f"  engine core: {name}.get_output (waits for the GPU)", debug_sync=False)
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
     timed(LlamaForCausalLM, "forward", "  vllm: model forward (hooks included)", debug_sync=False)
@@ -263,6 +373,8 @@ def _print_profile(profile, top: int, steps: int) -> None:
     inflated for Python-heavy code: compare cases, not with the wall times above)."""
     import pstats
 
+    if os.environ.get("PROBE_PROFILE_DUMP"):  # for pstats' print_callees, e.g. of Interleaver.end_step
+        profile.dump_stats(os.environ["PROBE_PROFILE_DUMP"])
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, own, cumulative, callers)
     ours = os.environ.get("PROBE_PROFILE_OURS")  # e.g. "interlace|workers": those files only, by cumulative time
     if ours:
@@ -416,6 +528,15 @@ def main() -> None:
     parser.add_argument("--ab-variants", default="default,pageable",
                         help="from default, pageable (report files not pinned), no-reserve (nothing reserved ahead), "
                              "no-keep (saves made, not kept)")
+    parser.add_argument("--profile-all", action="store_true",
+                        help="with --profile: profile the whole trace on the engine thread (scheduler, output "
+                             "processing, the driver's loop: this probe runs them in one thread), not only the runner's steps")
+    parser.add_argument("--copy-sources", action="store_true",
+                        help="profile each timed trace with CPU and CUDA activity and Python stacks (slow) and "
+                             "print which calls launched copies between host and device")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record the GPU's activity during each timed trace (torch profiler, CUDA only): busy "
+                             "and idle time, top kernels, GPU busy time per decode step")
     parser.add_argument("--blocking-sync", action="store_true",
                         help="CUDA waits block instead of spinning, so time the engine thread waits for the GPU "
                              "shows as wall time above its CPU time")
@@ -458,7 +579,7 @@ def main() -> None:
             interleaver.RESERVE_MIN = reserve_min
             torch.set_num_threads(torch_threads)
             ablated = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
-            TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear(), EVENTS.clear()
+            TOTALS.clear(), CPU_TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear(), EVENTS.clear(), STEP_STARTS.clear()
             LAST_STEP_END[0] = None
             segments = _device_segments()
             if args.profile and not warm:
@@ -466,8 +587,24 @@ def main() -> None:
 
                 PROFILE[0] = cProfile.Profile()
             process_cpu = time.process_time()
-            with ablated:
+            timeline = contextlib.nullcontext()
+            if args.timeline and not warm and torch.cuda.is_available():
+                from torch.profiler import ProfilerActivity, profile as torch_profile
+
+                timeline = torch_profile(activities=[ProfilerActivity.CUDA])
+            if args.copy_sources and not warm and torch.cuda.is_available():
+                from torch.profiler import ProfilerActivity, profile as torch_profile
+
+                timeline = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True)
+            whole = PROFILE[0] if args.profile_all else None
+            PROFILE[0] = None if whole is not None else PROFILE[0]
+            with ablated, timeline as recorded:
+                if whole is not None:
+                    whole.enable()
                 seconds, tokens, saved = run_interlace(model, data, args.out, cases[case])
+                if whole is not None:
+                    whole.disable()
+                    PROFILE[0] = whole
             process_cpu = time.process_time() - process_cpu
             segments = _device_segments() - segments
             profile, PROFILE[0] = PROFILE[0], None
@@ -479,8 +616,13 @@ def main() -> None:
                   f"{tail} from the last step to the results, {segments} device memory segments allocated (cudaMalloc); "
                   f"process CPU {process_cpu:.3f} s in all threads, torch intra-op threads {torch.get_num_threads()}")
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
-                print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)")
+                print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)"
+                      + (f"  thread CPU {CPU_TOTALS[label]:.3f} s" if label in CPU_TOTALS else ""))
             print_steps()
+            if recorded is not None and args.copy_sources:
+                print_copy_sources(recorded)
+            elif recorded is not None:
+                print_timeline(recorded.profiler.kineto_results.events(), seconds)
             print_tail()
             if profile is not None:
                 _print_profile(profile, args.profile, steps)
