@@ -89,6 +89,10 @@ class OpPlan:
             self._epoch_step = (scheduled.epoch, step_op)
         return step_op
 
+    def kept_for(self, epoch: int) -> bool:
+        """Whether :meth:`for_step` keeps its StepOp for every step of ``epoch``."""
+        return self._epoch_step is not None and self._epoch_step[0] == epoch
+
     def _for_step(self, scheduled) -> StepOp | None:
         if not len(scheduled.slots):
             return None

@@ -132,7 +132,9 @@ class SaveLedger:
         self._pinned = PinnedSlabs()
         self._room = device_room or DeviceRoom()
         self._holds = threading.Lock()  # device_holds change on the engine and reporter threads
-        self._device_streams: set = set()  # streams rows were kept on (reports wait for them)
+        # streams rows were kept on (reports wait for them), by handle: a Stream's own hash builds a
+        # torch.device, which this would do at every step
+        self._device_streams: dict[int, torch.cuda.Stream] = {}
 
     def add(self, trace: str, named: list[tuple[str, torch.Tensor]], owners: np.ndarray, starts: np.ndarray,
             stops: np.ndarray, fresh: bool = False) -> None:
@@ -142,7 +144,8 @@ class SaveLedger:
         chunks = self._chunks[trace]
         first = named[0][1]
         if first.is_cuda and self._room.take(sum(value.nbytes for _name, value in named), first.device):
-            self._device_streams.add(torch.cuda.current_stream(first.device))
+            stream = torch.cuda.current_stream(first.device)
+            self._device_streams.setdefault(stream.cuda_stream, stream)
             for name, value in named:  # a snapshot unless fresh: later in-place kernels cannot change it
                 rows = value.detach() if fresh else value.detach().clone()
                 chunks.append(SaveChunk(name, rows, None, owners, starts, stops, len(owners), device_holds=1))
@@ -202,7 +205,7 @@ class SaveLedger:
         if kept:
             self._chunks[trace] = kept
         chunks = [chunk for parts in by_name.values() for chunk, _ in parts]
-        return TakenSaves(dict(by_name), wanted, self, DeviceReady.now(chunks, self._device_streams))
+        return TakenSaves(dict(by_name), wanted, self, DeviceReady.now(chunks, self._device_streams.values()))
 
 
 Allocate = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
@@ -303,7 +306,7 @@ class DeviceReady:
     events: list[torch.cuda.Event]
 
     @classmethod
-    def now(cls, chunks: list[SaveChunk], streams: set) -> "DeviceReady | None":
+    def now(cls, chunks: list[SaveChunk], streams) -> "DeviceReady | None":
         devices = {chunk.rows.device for chunk in chunks if chunk.device_holds}
         if not devices:
             return None
