@@ -18,8 +18,11 @@ A diagnostic for choosing how saves travel, not a figure against plain vLLM:
     register   (with a GPU) how long a thread launching kernels waits while another registers a
                populated /dev/shm mapping with CUDA (one call, or slices), and a device-to-host copy
                into it cut at the slices' edges, against the same mapping unregistered
+    bookkeeping  a sweep's report bookkeeping after its last steps (256 invokes, 4 names saved
+               together at 130 steps: 520 ledger chunks): SaveLedger.take of two batches of 128
+               and giving their holds back, then a 256-report batch header written and read
 
-Usage: python bench/host_probe.py [--mib 512] [--only cuda|files|maplock|...]
+Usage: python bench/host_probe.py [--mib 512] [--only cuda|files|maplock|bookkeeping|...]
 """
 
 from __future__ import annotations
@@ -367,15 +370,58 @@ def register(mib: int) -> None:
         timed("device -> the same mapping unregistered", d2h_pieces)
 
 
+def bookkeeping(rounds: int = 15) -> None:
+    import io
+    import statistics
+
+    import numpy as np
+
+    from interlace.workers import report_file
+    from interlace.workers.saves import DeviceRoom, SaveLedger
+
+    def take_twice() -> tuple[float, float, float]:
+        ledger = SaveLedger(DeviceRoom(1 << 40))
+        owners, starts = np.arange(256), np.arange(256)
+        for _step in range(130):  # as taps.TappedSaves adds them: views of one gather per step
+            ledger.add("t", list(zip("abcd", torch.zeros(4, 256, 8).unbind(0))), owners, starts, starts + 1, True)
+        t0 = time.perf_counter()
+        first = ledger.take("t", list(range(128)))
+        t1 = time.perf_counter()
+        rest = ledger.take("t", list(range(128, 256)))
+        t2 = time.perf_counter()
+        first.release(), rest.release()
+        return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2)
+
+    runs = [take_twice() for _ in range(rounds)]
+    first, second, release = (statistics.median(column) for column in zip(*runs))
+    print(f"ledger: take of 128 invokes {first:.2f} ms, of the other 128 {second:.2f} ms, "
+          f"both holds given back {release:.2f} ms (medians of {rounds})")
+    region = torch.zeros(4 * 256 * 128 * 64 * 2, dtype=torch.uint8)
+    rows = region.view(torch.bfloat16).view(4, 256 * 128, 64)
+    reports = [{"trace": "t", "invoke": i, "stage": 0, "shared": [], "error": None,
+                "saves": {f"l{j}": rows[j, 128 * i : 128 * (i + 1)] for j in range(4)}} for i in range(256)]
+    dumps, loads = [], []
+    for _ in range(rounds):
+        out = io.BytesIO()
+        t0 = time.perf_counter()
+        report_file._HeaderPickler(out, region, 0, region.numel()).dump(reports)
+        t1 = time.perf_counter()
+        report_file._HeaderUnpickler(io.BytesIO(out.getvalue()), region).load()
+        dumps.append(1e3 * (t1 - t0)), loads.append(1e3 * (time.perf_counter() - t1))
+    print(f"header of 256 reports x 4 region tensors: written {statistics.median(dumps):.2f} ms, "
+          f"read {statistics.median(loads):.2f} ms, {len(out.getvalue())} bytes (medians of {rounds})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=512)
-    parser.add_argument("--only", choices=("handoffs", "gather", "cuda", "files", "maplock", "register"), help="one part only")
+    parser.add_argument("--only", choices=("handoffs", "gather", "cuda", "files", "maplock", "register",
+                                                 "bookkeeping"), help="one part only")
     args = parser.parse_args()
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}; torch threads {torch.get_num_threads()}")
     parts = (("handoffs", handoffs), ("gather", lambda: gather(args.mib)), ("cuda", lambda: cuda(args.mib)),
              ("files", lambda: files(args.mib)), ("maplock", lambda: maplock(args.mib)),
-             ("register", lambda: register(args.mib)))
+             ("register", lambda: register(args.mib)), ("bookkeeping", bookkeeping))
     for name, part in parts:
         if args.only in (None, name):
             part()

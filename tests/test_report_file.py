@@ -47,20 +47,24 @@ def test_saves_gathered_into_the_file_come_back_as_views_of_one_mapping(tmp_path
     taken = _taken()
     expected = taken.assemble()  # the same gather into ordinary host tensors
     small = torch.arange(5, dtype=torch.float32)
+    part = torch.arange(1 << 20, dtype=torch.float32)[10:13]  # a view of 4 MiB: its own 12 bytes go
     with DirSink(str(tmp_path)).batch("t", 0) as batch:
         saves = taken.assemble(batch.allocate)
         saves[1]["note"] = {"text": "kept", "n": [1, 2.5, None]}  # not a tensor
+        saves[2]["part"] = part
         batch.finish([_report(i + 3, s, shared=[("total", "sum", small)]) for i, s in enumerate(saves)])
+    assert sum(p.stat().st_size for p in (tmp_path / "t").iterdir()) < 64 << 10
     assert [p.suffix for p in (tmp_path / "t").iterdir()] == [".reports"]
     assert [p.suffix for p in (tmp_path / DATA).iterdir()] == [".data"]
 
     back = read_new_reports(tmp_path / "t", set())
     assert [r["invoke"] for r in back] == [3, 4, 5]
     for report, want in zip(back, expected):
-        assert report["saves"].keys() - {"note"} == want.keys()
+        assert report["saves"].keys() - {"note", "part"} == want.keys()
         for name, value in want.items():
             assert report["saves"][name].dtype == value.dtype and torch.equal(report["saves"][name], value)
     assert back[1]["saves"]["note"] == {"text": "kept", "n": [1, 2.5, None]}
+    assert torch.equal(back[2]["saves"]["part"], part)
     assert torch.equal(back[2]["shared"][0][2], small)  # a tensor not in the file's data region
     mapped = {r["saves"][name].untyped_storage().data_ptr() for r in back for name in ("resid", "probs") if name in r["saves"]}
     assert len(mapped) == 1  # bfloat16 and float32 rows alike: views of one mapping

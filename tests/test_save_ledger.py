@@ -43,6 +43,44 @@ def test_names_saved_together_from_one_copy_stay_apart_and_keep_their_order():
     assert two["a"].flatten().tolist() == [20, 21, 22] and two["b"].flatten().tolist() == [40, 41, 42]
 
 
+def test_chunks_saved_together_taken_in_three_batches_each_get_their_rows():
+    """Chunks that share their owners array share each take's selection (worked out once per
+    array, not per chunk): three takes, with a chunk of other owners among them, still give every
+    invoke exactly its own rows, in save order, and leave nothing behind."""
+    ledger = SaveLedger()
+    owners, one_row_each = np.array([0, 1, 2]), dict(starts=np.arange(3), stops=np.arange(1, 4))
+    for step in range(2):
+        for name, base in (("a", 0), ("b", 100)):
+            ledger.add("t", [(name, _rows(*(base + 10 * step + o for o in range(3))))], owners=owners, **one_row_each)
+    ledger.add("t", [("a", _rows(7, 8, 9))], owners=np.array([2, 1, 0]), **one_row_each)
+    got = {slot: ledger.take("t", [slot]).assemble()[0] for slot in (0, 2, 1)}
+    assert {slot: {n: v.flatten().tolist() for n, v in saves.items()} for slot, saves in got.items()} == {
+        0: {"a": [0, 10, 9], "b": [100, 110]},
+        2: {"a": [2, 12, 7], "b": [102, 112]},
+        1: {"a": [1, 11, 8], "b": [101, 111]},
+    }
+    assert ledger.take("t", [0, 1, 2]).assemble() == [{}, {}, {}]
+
+
+def test_rows_kept_on_the_device_give_their_room_back_once_every_holder_let_go():
+    """The ledger and each report hold a device chunk; holds are taken and given back a list at a
+    time, and a chunk's bytes return to the device room with its last holder (checked here on
+    host tensors marked as device-held: the GPU test below runs the whole path)."""
+    room = DeviceRoom(limit=1 << 20)
+    room.used = 48
+    ledger = SaveLedger(room)
+    bounds = dict(owners=np.array([0]), starts=np.array([0]), stops=np.array([1]), pending=1)
+    big = SaveChunk("x", torch.zeros(4, 2), None, device_holds=1, **bounds)  # 32 bytes
+    small = SaveChunk("y", torch.zeros(2, 2), None, device_holds=1, **bounds)  # 16 bytes
+    ledger.retain([big, small])  # a report's holds
+    ledger.release([big])
+    assert room.used == 48 and big.device_holds == 1
+    ledger.release([big, small])
+    assert room.used == 16 and (big.device_holds, small.device_holds) == (0, 1)
+    ledger.release([small])
+    assert room.used == 0
+
+
 def test_rows_of_several_lengths_concatenate_in_save_order():
     ledger = SaveLedger()
     ledger.add("t", [("x", _rows(1, 2, 3))], owners=np.array([5, 7]), starts=np.array([0, 2]), stops=np.array([2, 3]))

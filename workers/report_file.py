@@ -36,6 +36,7 @@ results held for as long as the user likes stay as they were read.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import itertools
 import math
@@ -398,28 +399,34 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, 
 
 
 class _HeaderPickler(pickle.Pickler):
-    """Tensors inside the batch's region become references; any other tensor is pickled whole,
-    and only its own bytes (a view of a large tensor would otherwise carry all of it)."""
+    """Tensors inside the batch's region become references to it; any other tensor is pickled
+    whole, and only its own bytes (a view of a large tensor would otherwise carry all of it).
+
+    The check is in ``reducer_override``, which pickle skips for plain ints, strings, dicts, lists
+    and tuples, not in ``persistent_id``, which it calls for every object: a 256-invoke report
+    holds about 15,000 of them, and the header took about twice as long."""
 
     def __init__(self, file, data: torch.Tensor | None, start: int, length: int):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._data_ptr = data.data_ptr() if data is not None else None
         self._start, self._stop = start, start + length
 
-    def persistent_id(self, obj: Any) -> tuple | None:
-        if (type(obj) is not torch.Tensor or self._data_ptr is None or obj.device.type != "cpu"
-                or obj.layout is not torch.strided or obj.untyped_storage().data_ptr() != self._data_ptr):
-            return None
-        offset = obj.storage_offset() * obj.element_size()
-        if not self._start <= offset < self._stop:
-            return None
-        return ("data", _dtype_name(obj.dtype), offset - self._start, tuple(obj.shape), obj.stride())
-
     def reducer_override(self, obj: Any) -> Any:
-        if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout is torch.strided
-                and obj.untyped_storage().nbytes() > obj.nbytes):
+        if type(obj) is not torch.Tensor or not obj.is_cpu or obj.layout is not torch.strided:
+            return NotImplemented
+        if self._data_ptr is not None:  # a view of the region: its first byte lies in it
+            offset = obj.data_ptr() - self._data_ptr
+            if self._start <= offset < self._stop:
+                return _region_view, (_dtype_name(obj.dtype), offset - self._start, tuple(obj.shape), obj.stride())
+        if obj.untyped_storage().nbytes() > obj.nbytes:
             return obj.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         return NotImplemented
+
+
+def _region_view(dtype: str, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
+    """Stands for a tensor of a batch's region in its header; only read_report_file, which maps
+    the region, can make it (_HeaderUnpickler.find_class)."""
+    raise pickle.UnpicklingError("a report file's tensors are read with its region (read_report_file)")
 
 
 class _HeaderUnpickler(pickle.Unpickler):
@@ -428,14 +435,22 @@ class _HeaderUnpickler(pickle.Unpickler):
         self._data = data
         self._typed: dict[str, torch.Tensor] = {}  # the region viewed as each dtype
 
-    def persistent_load(self, pid: tuple) -> torch.Tensor:
-        kind, dtype, offset, shape, stride = pid
-        if kind != "data" or self._data is None:
-            raise pickle.UnpicklingError(f"unknown reference {pid!r} in a report file")
-        if dtype not in self._typed:
-            self._typed[dtype] = self._data.view(getattr(torch, dtype))
-        typed = self._typed[dtype]
-        return typed.as_strided(shape, stride, offset // typed.element_size())
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == _region_view.__name__:
+            if self._data is None:
+                raise pickle.UnpicklingError("a tensor of a report file's region, in a batch without one")
+            # Not a bound method: the unpickler's memo keeps what this returns, and a reference back
+            # to the unpickler would keep the region mapped (and its claim alive) until a GC pass.
+            return functools.partial(_view_of, self._data, self._typed)
+        return super().find_class(module, name)
+
+
+def _view_of(data: torch.Tensor, typed_views: dict[str, torch.Tensor], dtype: str, offset: int, shape: tuple,
+             stride: tuple) -> torch.Tensor:
+    typed = typed_views.get(dtype)
+    if typed is None:
+        typed = typed_views[dtype] = data.view(getattr(torch, dtype))
+    return typed.as_strided(shape, stride, offset // typed.element_size())
 
 
 def _round_up(nbytes: int, unit: int) -> int:
@@ -443,4 +458,10 @@ def _round_up(nbytes: int, unit: int) -> int:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
