@@ -9,7 +9,12 @@
 # carry [".ab"]:
 #   bash bench/ab_revisions.sh run "86b617c tree 86b617c tree" [ops-save4,prog-save4]
 # Each process starts an engine (about 100 s on a fresh machine, 50 s after) and runs `none` and the
-# cases twice (warm, timed); PER_RUN_S (default 240) bounds each process. Logs: $OUT/ab-<name>.log.
+# cases twice (warm, timed); PER_RUN_S (default 240) bounds each process, and the first process of a
+# call gets FIRST_EXTRA_S more (default 200): on a fresh host it compiles the engines for every later
+# process (vLLM's compile cache is on disk); on an H200 on 2026-11-26 runner's first process had
+# started both engines but given no pair by 285 s, and the second gave 24 pairs in 285 s. A process past its time gets SIGINT first, so its engines shut down and it
+# leaves no files behind (after a SIGTERM during a start, a load-errors file was found in /tmp).
+# Logs: $OUT/ab-<name>.log.
 # BENCH_ARGS are passed on to the bench script, e.g. BENCH_ARGS=--graphs for compiled engines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,20 +37,24 @@ case "${1:-}" in
       git archive "$rev" pyproject.toml README.md driver workers cluster configs | tar -x -C ".ab/$rev"
     done ;;
   run)
+    extra=${FIRST_EXTRA_S:-200}
     for name in $2; do
       echo "=== $name"
-      PYTHONPATH=/tmp/site:$(lib "$name") timeout "${PER_RUN_S:-240}" python3 bench/step_probe.py \
+      PYTHONPATH=/tmp/site:$(lib "$name") timeout -s INT -k 30 $(( ${PER_RUN_S:-240} + extra )) python3 bench/step_probe.py \
           --cases "${3:-ops-save4,prog-save4}" ${BENCH_ARGS:-} 2>&1 | quiet | tee -a "${OUT:-/tmp}/ab-$name.log" \
         | grep -e '^none' -e '^ops' -e '^prog' -e 'runner.execute_model' -e 'Error' || true
+      extra=0
     done ;;
   runner)
     # The same alternation with bench/runner_bench.py (interlace/plain ratios, paired in each
     # process): bash bench/ab_revisions.sh runner "9284079 tree 9284079 tree" [cases] [repeats]
+    extra=${FIRST_EXTRA_S:-200}
     for name in $2; do
       echo "=== $name $(date +%T)"
-      PYTHONPATH=/tmp/site:$(lib "$name") timeout "${PER_RUN_S:-280}" python3 bench/runner_bench.py \
+      PYTHONPATH=/tmp/site:$(lib "$name") timeout -s INT -k 30 $(( ${PER_RUN_S:-280} + extra )) python3 bench/runner_bench.py \
           --cases "${3:-none,ops-save4,prog-save4,ops-steer1,prog-steer1}" --repeats "${4:-3}" ${BENCH_ARGS:-} 2>&1 | quiet \
         | tee -a "${OUT:-/tmp}/ab-runner-$name.log" | grep -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
+      extra=0
     done ;;
   *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" >&2; exit 2 ;;
 esac
