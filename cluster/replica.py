@@ -341,8 +341,12 @@ class Replica:
         print(f"interlace replica {self.index}: {why}; exiting for a restart", flush=True)
         for child in psutil.Process().children(recursive=True):
             try:
-                child.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
+                # A multiprocessing resource tracker stays: once every process it serves is gone it
+                # unlinks the shared memory and semaphores they left (vLLM's queues between the
+                # engine's processes). Killed with them, those stayed in /dev/shm at every restart.
+                if "multiprocessing.resource_tracker" not in " ".join(child.cmdline()):
+                    child.send_signal(signal.SIGKILL)
+            except psutil.Error:  # gone already, or not ours to read
                 pass
         shutil.rmtree(self.sink_root, ignore_errors=True)
         os._exit(1)

@@ -212,6 +212,18 @@ def _engine_core(replica_pid: int) -> int:
     return (named or children)[0].pid
 
 
+def _shared_memory(pid: int) -> set[str]:
+    """The shared-memory segments (/dev/shm/psm_*) a process and its children have mapped."""
+    root = psutil.Process(pid)
+    paths = set()
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            paths |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_")}
+        except psutil.Error:
+            pass
+    return paths
+
+
 @pytest.mark.parametrize("victim", [0, 1])  # a second kill, of the other replica, after the first healed
 def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluster, llama, victim):
     count = 60
@@ -221,6 +233,8 @@ def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluste
     futures = [cluster.submit(build(cluster, i)) for i in range(count)]
     while sum(f.done() for f in futures) < 6:
         time.sleep(0.01)
+    segments = _shared_memory(replica["pid"])  # vLLM's queues between the engine's processes
+    assert segments
     os.kill(_engine_core(replica["pid"]), signal.SIGKILL)
     results = [f.result(timeout=300) for f in futures]  # each future resolves once
     for got, ref in zip(results, want):
@@ -230,6 +244,9 @@ def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluste
     while cluster.status()["replicas"][victim]["state"] != "alive" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert cluster.status()["replicas"][victim]["state"] == "alive"
+    # The dead engine's segments went with it (the replica's restart spares the resource tracker
+    # that unlinks them: killed too, they stayed in /dev/shm at every restart).
+    assert not [path for path in segments if os.path.exists(path)]
     before = cluster.status()["replicas"][victim]["shards_served"]
     again = [cluster.submit(build(cluster, i)) for i in range(8)]
     for got, ref in zip([f.result(timeout=120) for f in again], want):
