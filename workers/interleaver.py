@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 import logging
