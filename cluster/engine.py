@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +179,19 @@ def prepare_environment(cfg: ModelConfig) -> None:
 
 
 def start_engine(cfg: ModelConfig, **overrides: Any):
-    """Start a synchronous ``vllm.LLM`` for ``cfg`` with interlace installed in every rank."""
+    """Start a synchronous ``vllm.LLM`` for ``cfg`` with interlace installed in every rank.
+
+    It starts on a thread of its own. vLLM keeps the exceptions of some optional imports it makes
+    while starting (``vllm.multimodal.media.audio`` keeps torchcodec's), and a kept traceback
+    keeps alive every frame of the stack that made the import, locals and all. Started from the
+    caller's stack, that was ``Model._run`` of the model's first trace, whose results then
+    outlived every reference the user held (and kept their report file from being reused).
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="interlace-engine-start") as pool:
+        return pool.submit(_start_engine, cfg, overrides).result()
+
+
+def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
     from vllm import LLM
 
     prepare_environment(cfg)

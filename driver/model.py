@@ -45,7 +45,7 @@ from interlace.trace import (
 )
 from interlace.wire import Completion, Report
 from interlace.workers.points import ModuleTree
-from interlace.workers.sink import discard
+from interlace.workers.sink import close_sink, discard
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
 _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
@@ -121,6 +121,7 @@ class Model:
 
             shutdown_engine(self._engine)
             self._engine = None
+        close_sink(f"dir:{self._sink_root}")  # an engine in this process kept its data files open here
         shutil.rmtree(self._sink_root, ignore_errors=True)
 
     def __enter__(self) -> "Model":

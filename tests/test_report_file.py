@@ -342,7 +342,9 @@ def test_reserving_and_unmapping_a_data_file_never_hold_the_memory_map_long(monk
                 waits.append((reserving, unmapping))
             tries.append(waits)
             (ours_reserving, ours_unmapping), (one_reserving, one_unmapping) = waits
-            if ours_reserving < 0.25 * one_reserving and ours_unmapping < 0.25 * one_unmapping:
+            # Where one call itself held the lock under 2 ms (one H100 host unmapped 256 MiB in
+            # 0.1 ms), there is nothing to cut: that phase passes if ours is as short.
+            if ours_reserving < max(0.25 * one_reserving, 0.002) and ours_unmapping < max(0.25 * one_unmapping, 0.002):
                 return
     pytest.fail(f"slices did not cut the longest map wait to under a quarter of one call's: {tries}")
 
@@ -396,8 +398,8 @@ def test_a_gpu_process_pins_its_data_file_and_copies_into_it(tmp_path):
         out = region[4096:].view(torch.bfloat16).view(rows.shape)
         copy_to_host(out, rows)
         assert torch.equal(out, rows.cpu())
-        data.close()
-        assert data.pinned == 0 and not report_file._pinned_files
+        data.close()  # other tests' engines may have pinned files of their own in this process
+        assert data.pinned == 0 and all(other is not data for other in report_file._pinned_files.values())
     on_disk = DataFile(tmp_path / "1.data")  # CUDA refused files on disk on an H100 host
     on_disk.reserve(4 << 20)
     (rows * 2).sum().item()  # a kernel launch and a sync: no error left over from a refusal

@@ -52,6 +52,12 @@ class DirSink:
         while len(self._kept) > KEEP_FILES or sum(d.reserved for d in self._kept) > KEEP_BYTES:
             self._kept.pop(0).close()
 
+    def close_all(self) -> None:
+        """Let go of every data file (the engine is gone): readers' views stay valid."""
+        for data in [*self._data.values(), *self._kept]:
+            data.close()
+        self._data, self._kept = {}, []
+
     @contextlib.contextmanager
     def batch(self, trace: str, stage: int) -> Iterator[ReportFileWriter]:
         """A batch being written: gather saves into ``batch.allocate(...)``'s tensors, then
@@ -130,3 +136,13 @@ def open_sink(spec: str) -> DirSink:
     if kind == "dir":
         return _SINKS.setdefault(spec, DirSink(where))
     raise ValueError(f"unknown report sink {spec!r}; expected 'dir:/path'")
+
+
+def close_sink(spec: str) -> None:
+    """Close this process's sink for ``spec``, if it has one: an engine run in the driver's own
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) was shut down, and its rank's data files would
+    otherwise stay mapped (and pinned, on a GPU) until the process ends, up to KEEP_BYTES per
+    engine. A rank in a process of its own lets go of them when that process ends."""
+    sink = _SINKS.pop(spec, None)
+    if sink is not None:
+        sink.close_all()
