@@ -405,3 +405,34 @@ def test_a_non_finite_write_in_a_tap_fails_nothing_else_and_reaches_no_later_tra
     torch.testing.assert_close(bad[1].saves["layers.2.resid"], want[1].saves["layers.2.resid"], **OTHER_BATCH)
     later = [[], [ops.save("layers.1.resid")], [ops.add("layers.2.resid", vector(13))]]
     assert_same(run(tapped, later), run(llama, later))
+
+
+def test_tapped_saves_over_a_long_decode_arrive_as_the_hook_paths(tapped, llama):
+    """Saves of the last token at two taps every step, and at one tap on chosen steps (whose steps
+    change which saves a step makes), over a decode of 37 steps: every invoke's rows arrive in step
+    order, as on the hook path."""
+    steps = 37
+    oplists = [[ops.save("layers.1.resid", tokens="last"), ops.save("layers.2.resid", tokens="last")],
+               [ops.save("layers.2.resid", tokens="last", steps=list(range(0, steps, 3)))],
+               [ops.save("layers.1.resid", tokens="last"), ops.save("layers.2.resid", tokens="last")]]
+    before = tap_steps(tapped)
+    got = run(tapped, oplists, max_tokens=steps)
+    assert tap_steps(tapped) >= before + steps
+    assert got[0].saves["layers.1.resid"].shape[0] == steps and got[1].saves["layers.2.resid"].shape[0] == 13
+    assert_same(got, run(llama, oplists, max_tokens=steps))
+
+
+def test_a_save_limit_reached_in_tapped_saves_fails_as_on_the_hook_path(tapped, llama):
+    """Tapped saves count against max_save_bytes as the hook path's do: the invokes whose saves
+    pass it fail with the same error, and the invoke beside them ends with the same tokens."""
+    row = HIDDEN * 4  # float32
+    outcomes = []
+    for model in (tapped, llama):
+        with pytest.raises(interlace.InterventionError, match="exceed the limit") as err:
+            with model.trace(max_tokens=32, ignore_eos=True, max_save_bytes=row * 19) as tr:
+                tr.invoke("The quick brown fox", ops=[ops.save("layers.1.resid", tokens="last"),
+                                                      ops.save("layers.2.resid", tokens="last")])
+                tr.invoke("Hello there, my friend", ops=[ops.save("layers.1.resid", tokens="last")])
+                tr.invoke("One two three")
+        outcomes.append((err.value.invoke, [r.token_ids for r in err.value.partial.invokes]))
+    assert outcomes[0] == outcomes[1] and len(outcomes[0][1][2]) == 32
