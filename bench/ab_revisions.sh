@@ -53,7 +53,7 @@ case "${1:-}" in
       echo "=== $name $(date +%T)"
       PYTHONPATH=/tmp/site:$(lib "$name") timeout -s INT -k 30 $(( ${PER_RUN_S:-280} + extra )) python3 bench/runner_bench.py \
           --cases "${3:-none,ops-save4,prog-save4,ops-steer1,prog-steer1}" --repeats "${4:-3}" ${BENCH_ARGS:-} 2>&1 | quiet \
-        | tee -a "${OUT:-/tmp}/ab-runner-$name.log" | grep -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
+        | tee -a "${OUT:-/tmp}/ab-runner-$name.log" | grep -e '^host' -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
       extra=0
     done ;;
   *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" >&2; exit 2 ;;

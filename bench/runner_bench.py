@@ -35,6 +35,7 @@ in KV-cache tensors of the model's shape, on this machine's device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -232,6 +233,7 @@ def main() -> None:
 
     import interlace
 
+    print(host_line(), flush=True)
     if not args.tiny:
         make_model_dir(MODEL_DIR)
     cfg = config(args)
@@ -251,6 +253,25 @@ def main() -> None:
     if eager is not None:
         eager.close()
     plain.llm_engine.engine_core.shutdown()
+
+
+def host_line() -> str:
+    """The machine a run's figures come from. The ratios move between lent hosts of one GPU kind
+    (ops-save4 0.85-1.00 on two H100 hosts on 2026-11-27) while each step's host work sets the
+    rate, so the CPU is named beside them."""
+    import torch
+
+    cpu, mhz = "?", []
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "cpu MHz":
+                mhz.append(float(value))
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    clock = f", {statistics.median(mhz):.0f} MHz median now" if mhz else ""
+    return f"host: {gpu}; {cpu}, {os.cpu_count()} cores{clock}"
 
 
 def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, seeds) -> None:
