@@ -1,7 +1,8 @@
 """An engine core running in the driver's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, how
 people debug vLLM) still delivers reports: nothing else steps it after ``generate()``, and
-workers learn which requests finished only in a step. A trace's results go with the user's last
-reference to them, and closing the model lets go of the rank's data files. Run in a child process so the engine's
+workers learn which requests finished only in a step. Reports of a trace's invokes that finish a
+step apart are written as one batch. A trace's results go with the user's last reference to them,
+and closing the model lets go of the rank's data files. Run in a child process so the engine's
 process-wide state stays out of the test session."""
 
 from __future__ import annotations
@@ -17,30 +18,56 @@ def test_saves_arrive_from_an_in_process_engine():
         import gc
         import weakref
 
+        import torch
+
         import interlace
         from interlace import ops
 
         if __name__ == "__main__":
-            model = interlace.Model("tiny-llama")
+            # chunked prefill: a long prompt ends its prefill, and its generation, a step after a short one
+            model = interlace.Model("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=32)
             out = model.generate("The capital of France is", ops=[ops.save("layers.1.resid", tokens="last")],
                                  max_tokens=3, ignore_eos=True)
             print("SHAPE", tuple(out.saves["layers.1.resid"].shape), type(model.engine.llm_engine.engine_core).__name__)
+
+            # Reports of invokes that finish a step apart are written as one batch (held for the
+            # rest of the trace); with no time to wait, one batch per step. The same rows either way.
+            from interlace.workers import interleaver, sink
+            batches = []
+            write_batch = sink.DirSink.batch
+            sink.DirSink.batch = lambda self, trace, stage: batches.append(trace) or write_batch(self, trace, stage)
+            results = {}
+            for hold in (60.0, 0.0):
+                interleaver.REPORT_HOLD_S = hold
+                with model.trace(max_tokens=2, ignore_eos=True) as tr:
+                    for prompt in ("Hi", "A long prompt, " * 8, "Hello there"):
+                        tr.invoke(prompt, ops=[ops.save("layers.1.resid", tokens="all"), ops.save("layers.0.mlp.output", tokens="last")])
+                results[hold] = tr.result
+                print("BATCHES", hold, len(set(batches)), len(batches))
+                batches.clear()
+            same = all(torch.equal(a.saves[name], b.saves[name]) for a, b in zip(results[60.0], results[0.0])
+                       for name in ("layers.1.resid", "layers.0.mlp.output"))
+            print("SAME ROWS", same, [tuple(r.saves["layers.1.resid"].shape) for r in results[0.0]])
+            del results, tr
             root = str(model._sink_root)
             saved = weakref.ref(out.saves["layers.1.resid"])
             del out  # the result's rows map the data file too
             gc.collect()
             print("KEPT AFTER DEL", saved() is not None)
             mapped = lambda: [line.split()[-2] for line in open("/proc/self/maps") if root in line]
-            print("MAPPED BEFORE", len(mapped()))
+            print("MAPPED BEFORE", len(mapped()) > 0)
             model.close()
             print("MAPPED AFTER", mapped())
     """)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "SHAPE (3, 128) InprocClient" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    # one trace each: held, its invokes' reports made one batch; not held, two (the long prompt's a step later)
+    assert "BATCHES 60.0 1 1" in done.stdout and "BATCHES 0.0 1 2" in done.stdout, done.stdout[-2000:]
+    assert "SAME ROWS True" in done.stdout, done.stdout[-2000:]
     # The model's first trace started the engine; its results go with the user's last reference
     # (a traceback vLLM keeps from its start held them for good)
     assert "KEPT AFTER DEL False" in done.stdout, done.stdout[-2000:]
     # The rank ran in this process: closing the model lets go of its data file (it used to stay
     # mapped, and pinned on a GPU, until the process ended)
-    assert "MAPPED BEFORE 1" in done.stdout and "MAPPED AFTER []" in done.stdout, done.stdout[-2000:]
+    assert "MAPPED BEFORE True" in done.stdout and "MAPPED AFTER []" in done.stdout, done.stdout[-2000:]

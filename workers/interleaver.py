@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 import logging
@@ -34,7 +35,7 @@ from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, device_index, short_name
 from interlace.workers.reporter import Reporter
 from interlace.workers.readonly import ReadOnlyTensor
-from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, host_copy
+from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, assemble_together, host_copy
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.slots import SlotTable
@@ -43,6 +44,7 @@ from interlace.workers.view import ProgramView
 PAYLOAD_KEY = "interlace"
 logger = logging.getLogger("interlace")
 RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see _reserve_ahead)
+REPORT_HOLD_S = 0.05  # how long finished invokes' reports wait for the rest of their trace (see _report)
 
 
 @dataclass
@@ -210,6 +212,7 @@ class Interleaver:
         self._said_untapped = False
         self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
         self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
+        self._held: dict[tuple[str, str], _HeldReports] = {}  # (sink, trace) -> reports waiting for the rest (_report)
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
         self._group_numbers: dict[str, int] = {}  # live program group key -> its number in slots.group
@@ -311,6 +314,8 @@ class Interleaver:
         return self.taps is not None and not any(r in req_ids for r in self._untapped)
 
     def finish(self, req_ids) -> None:
+        if self._held:
+            self._submit_held(time.monotonic() - REPORT_HOLD_S)
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
         if finished:
             self._last = None
@@ -364,20 +369,39 @@ class Interleaver:
                 "never ran there; ask for steps below max_tokens, or pass ignore_eos=True"), where="end of generation"))
 
     def _report(self, finished: list[InvokeState]) -> None:
-        """Hand the finished invokes' reports to the reporter thread, one batch per (sink, trace)."""
+        """Take the finished invokes' saves from the ledger (their slots are reused next) and hand
+        their reports to the reporter thread, one batch per (sink, trace).
+
+        A trace's invokes often finish a step or two apart (those admitted a step later). Their
+        reports are held until the trace's last invoke on this rank finishes, or for at most
+        REPORT_HOLD_S, and written as one batch: one plan, one region and one header, not one per
+        step. Written at once, the first batch's gathering ran on the reporter thread during the
+        trace's last steps, slowing them (Python contends for the GIL), and the next waited behind
+        it: 55-70 ms from the last step to the results on an H100 host, for 512 MiB saved in three
+        batches (bench/step_probe.py, 2026-11-26)."""
         batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
         for state in finished:
             batches[(state.sink, state.trace)].append(state)
         live = {(state.sink, state.trace) for state in self.invokes.values()}
         stage = self.rank["pp_rank"]
-        for (sink, trace), states in batches.items():
-            taken = self.ledger.take(trace, [state.slot for state in states])
-            reports = [_report_of(state, stage) for state in states]
-            objects = [state.saves for state in states]
-            last = (sink, trace) not in live  # this rank's last batch of the trace
-            if last:
-                self._reserving.pop((sink, trace), None)
-            self.reporter.submit(functools.partial(_write_reports, sink, trace, stage, reports, taken, objects, last))
+        for key, states in batches.items():
+            held = self._held.setdefault(key, _HeldReports(time.monotonic()))
+            held.takes.append(self.ledger.take(key[1], [state.slot for state in states]))
+            held.reports += [_report_of(state, stage) for state in states]
+            held.objects += [state.saves for state in states]
+            if key not in live:  # this rank's last batch of the trace
+                self._reserving.pop(key, None)
+                self._submit(key, last=True)
+
+    def _submit_held(self, before: float) -> None:
+        """Hand over the held reports that have waited since ``before``."""
+        for key in [key for key, held in self._held.items() if held.since <= before]:
+            self._submit(key, last=False)
+
+    def _submit(self, key: tuple[str, str], last: bool) -> None:
+        held = self._held.pop(key)
+        self.reporter.submit(functools.partial(_write_reports, *key, self.rank["pp_rank"], held.reports, held.takes,
+                                               held.objects, last))
 
     def _reserve_ahead(self, state: InvokeState, nbytes: int) -> None:
         """Keep the trace's report data file reserved ahead of its saves (see report_file.py): a
@@ -916,19 +940,30 @@ def _reserve(sink: str, trace: str, stage: int, nbytes: int) -> None:
         pass
 
 
-def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
+@dataclass
+class _HeldReports:
+    """Finished invokes' reports of one trace, held for the rest of it (Interleaver._report)."""
+
+    since: float  # when the first of them finished
+    reports: list[dict] = field(default_factory=list)
+    takes: list[TakenSaves] = field(default_factory=list)  # their saves, one take per step they finished in
+    objects: list[dict[str, list]] = field(default_factory=list)
+
+
+def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], takes: list[TakenSaves],
                    objects: list[dict[str, list]], last: bool) -> None:
     """On the reporter thread: write one batch of reports, then let the saves' host memory be
     reused (the reports hold copies of it); after the trace's last batch, close its data file."""
     try:
-        _write_batch(sink, trace, stage, reports, taken, objects)
+        _write_batch(sink, trace, stage, reports, takes, objects)
     finally:
-        taken.release()
+        for taken in takes:
+            taken.release()
         if last:
             open_sink(sink).close(trace, stage)
 
 
-def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
+def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], takes: list[TakenSaves],
                  objects: list[dict[str, list]]) -> None:
     """Assemble the saves into one batch file. If the batch cannot be written (e.g. an
     unpicklable save), each report is written alone, and those that still fail carry the error
@@ -938,9 +973,12 @@ def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], taken: 
             report["shared"] = [(name, how, v.get() if isinstance(v, HostRows) else v)
                                 for name, how, v in report["shared"]]
         with open_sink(sink).batch(trace, stage) as batch:  # rows are gathered straight into the file
-            for report, rows, values in zip(reports, taken.assemble(batch.allocate), objects):
-                report["saves"] = _with_objects(rows, values)
-            batch.finish(reports)
+            def write_header(results: list[dict]) -> None:  # while the rows are still on their way
+                for report, rows, values in zip(reports, results, objects):
+                    report["saves"] = _with_objects(rows, values)
+                batch.finish(reports)
+
+            assemble_together(takes, batch.allocate, meanwhile=write_header)
         return
     except Exception as exc:  # noqa: BLE001
         batch_error = error_record(exc, where="reporting results")

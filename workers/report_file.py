@@ -213,9 +213,10 @@ class DataFile:
             self.bytes = None
 
 
-def copy_to_host(out: torch.Tensor, rows: torch.Tensor) -> None:
+def copy_to_host(out: torch.Tensor, rows: torch.Tensor, wait: bool = True) -> None:
     """``out.copy_(rows)`` from a GPU, waiting for it; into a data file's pinned slices, as one
-    asynchronous copy per slice (CUDA refuses one copy across two registrations)."""
+    asynchronous copy per slice (CUDA refuses one copy across two registrations), which the
+    caller waits for (on the current stream) when not ``wait``."""
     base, data = next(((base, data) for base, data in _pinned_files.items()
                        if base <= out.data_ptr() < base + data.pinned), (0, None))
     if data is None or not out.is_contiguous() or not rows.is_contiguous():
@@ -228,7 +229,7 @@ def copy_to_host(out: torch.Tensor, rows: torch.Tensor) -> None:
         stop = min(start + out.nbytes, (at // _SLICE + 1) * _SLICE if at < data.pinned else start + out.nbytes)
         into[at - start : stop - start].copy_(src[at - start : stop - start], non_blocking=at < data.pinned)
         at = stop
-    if rows.is_cuda:
+    if rows.is_cuda and wait:
         torch.cuda.current_stream(rows.device).synchronize()
 
 
