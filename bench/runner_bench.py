@@ -44,6 +44,8 @@ import statistics
 import time
 from typing import Callable
 
+from pool_pairs import median_interval  # bench/, this script's folder
+
 MODEL_DIR = "/tmp/interlace-bench-llama1b"
 
 
@@ -311,7 +313,7 @@ def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, se
             print(json.dumps({"n": n, "case": name, "round": round_, "plain_s": round(p_seconds, 3),
                               "interlace_s": round(i_seconds, 3), "tokens": i_tokens,
                               "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1), **extra}), flush=True)
-    table = [(name, statistics.median(plain_rates[name]), statistics.median(ratios[name]), min(ratios[name]),
+    table = [(name, statistics.median(plain_rates[name]), *median_interval(ratios[name]), min(ratios[name]),
               max(ratios[name]), best[name][1] / best[name][0]) for name in names]
 
     where = f"TP={args.tp} PP={args.pp}, {'CUDA graphs' if args.graphs else 'eager'}, {cfg.dtype}, {cfg.name}"
@@ -319,10 +321,11 @@ def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, se
     # "fastest": each side's fastest trace against the other's; the lent GPU hosts slow single
     # traces by up to a third at random, which moves a median of a few pairs more than the effects
     # measured here, and a side's fastest trace least.
-    print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'min':>6} {'max':>6} {'fastest':>8}"
+    # "95%": a bootstrap interval for the median (bench/pool_pairs.py pools several processes' pairs).
+    print(f"{'case':18} {'plain tok/s':>12} {'x plain (median)':>17} {'95%':>10} {'min':>6} {'max':>6} {'fastest':>8}"
           + (f" {'eager interlace x plain':>24} {'min':>6} {'max':>6}" if eager is not None else ""))
-    for name, rate, median, low, high, fastest in table:
-        row = f"{name:18} {rate:12.0f} {median:17.2f} {low:6.2f} {high:6.2f} {fastest:8.2f}"
+    for name, rate, median, median_low, median_high, low, high, fastest in table:
+        row = f"{name:18} {rate:12.0f} {median:17.2f} {median_low:5.2f}-{median_high:.2f} {low:6.2f} {high:6.2f} {fastest:8.2f}"
         if eager is not None:
             row += f" {statistics.median(eager_ratios[name]):24.2f} {min(eager_ratios[name]):6.2f} {max(eager_ratios[name]):6.2f}"
         print(row)
