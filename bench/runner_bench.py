@@ -18,10 +18,9 @@ order alternates by round, and rounds go over every case) on the same new prompt
 figure is the median of its paired ratios (interlace tok/s / plain tok/s). With ``--graphs
 --eager-too`` an eager interlace engine (the default) runs each case too, right after the compiled
 one on the same prompts, against the same plain run: the two figures then come from one run. Pairing cancels the
-machine's drift, which between separate runs was larger than the effects measured. (Until
-2026-11-24's tenth session plain always ran first and a case's pairs ran back to back.) (Until 2026-11-23's eighth session every run reused the same prompts, so plain vLLM and
-the `none` case served them from the prefix cache while intervened requests, which bypass it,
-computed every prompt token: an advantage for plain vLLM of about 2 prefill steps per run.)
+machine's drift, which between separate runs was larger than the effects measured. Every pair
+runs new prompts: prompts seen before would be served from plain vLLM's prefix cache, which an
+intervened request bypasses (its hooks must see every token).
 
 Usage: python bench/runner_bench.py [--n 256[,1024...]] [--in 128] [--out 128] [--tp 1] [--pp 1]
        [--cases a,b] [--repeats 3] [--graphs [--eager-too]] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
