@@ -345,7 +345,6 @@ def install_probes() -> None:
     timed(saves, "host_copy", "saves.host_copy")
     timed(saves.SaveLedger, "take", "reports: ledger.take")
     timed(saves.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
-    timed(interleaver, "assemble_together", "reports: gather into the file (reporter)", debug_sync=False)
     timed(interleaver, "_write_reports", "reports: a batch, header and copies included (reporter)", debug_sync=False)
     timed(report_file.ReportFileWriter, "allocate", "  gather: region of the data file", debug_sync=False)
     timed(saves, "_plan", "  gather: plan", debug_sync=False)

@@ -24,31 +24,37 @@ def test_saves_arrive_from_an_in_process_engine():
         from interlace import ops
 
         if __name__ == "__main__":
-            # chunked prefill: a long prompt ends its prefill, and its generation, a step after a short one
-            model = interlace.Model("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=32)
+            # Two sequences at a time, chunked prefill: of "Hi" and a long prompt, "Hi" finishes a
+            # step earlier, and a third prompt takes its place while the long one runs.
+            model = interlace.Model("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=2)
             out = model.generate("The capital of France is", ops=[ops.save("layers.1.resid", tokens="last")],
                                  max_tokens=3, ignore_eos=True)
             print("SHAPE", tuple(out.saves["layers.1.resid"].shape), type(model.engine.llm_engine.engine_core).__name__)
 
-            # Reports of invokes that finish a step apart are written as one batch (held for the
-            # rest of the trace); with no time to wait, one batch per step. The same rows either way.
+            # Reports of a trace's invokes that finish in different steps are held and written as
+            # one batch; with no time to wait, one batch per step. The invoke admitted meanwhile
+            # must not get a held invoke's rows: each prompt's saves equal those of a trace of its own.
             from interlace.workers import interleaver, sink
             batches = []
             write_batch = sink.DirSink.batch
             sink.DirSink.batch = lambda self, trace, stage: batches.append(trace) or write_batch(self, trace, stage)
+            prompts, names = ("Hi", "A long prompt, " * 8, "Hello there"), ("layers.1.resid", "layers.0.mlp.output")
+            saves = [ops.save("layers.1.resid", tokens="all"), ops.save("layers.0.mlp.output", tokens="last")]
+            alone = [model.generate(prompt, ops=saves, max_tokens=2, ignore_eos=True) for prompt in prompts]
+            batches.clear()
             results = {}
             for hold in (60.0, 0.0):
                 interleaver.REPORT_HOLD_S = hold
                 with model.trace(max_tokens=2, ignore_eos=True) as tr:
-                    for prompt in ("Hi", "A long prompt, " * 8, "Hello there"):
-                        tr.invoke(prompt, ops=[ops.save("layers.1.resid", tokens="all"), ops.save("layers.0.mlp.output", tokens="last")])
+                    for prompt in prompts:
+                        tr.invoke(prompt, ops=saves)
                 results[hold] = tr.result
                 print("BATCHES", hold, len(set(batches)), len(batches))
                 batches.clear()
-            same = all(torch.equal(a.saves[name], b.saves[name]) for a, b in zip(results[60.0], results[0.0])
-                       for name in ("layers.1.resid", "layers.0.mlp.output"))
+            same = all(r.saves[name].shape == a.saves[name].shape and torch.allclose(r.saves[name], a.saves[name], atol=1e-5)
+                       for hold in results for r, a in zip(results[hold], alone) for name in names)
             print("SAME ROWS", same, [tuple(r.saves["layers.1.resid"].shape) for r in results[0.0]])
-            del results, tr
+            del results, tr, alone
             root = str(model._sink_root)
             saved = weakref.ref(out.saves["layers.1.resid"])
             del out  # the result's rows map the data file too
@@ -62,8 +68,8 @@ def test_saves_arrive_from_an_in_process_engine():
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "SHAPE (3, 128) InprocClient" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
-    # one trace each: held, its invokes' reports made one batch; not held, two (the long prompt's a step later)
-    assert "BATCHES 60.0 1 1" in done.stdout and "BATCHES 0.0 1 2" in done.stdout, done.stdout[-2000:]
+    # one trace each: held, its invokes' reports made one batch; not held, one per step an invoke finished in
+    assert "BATCHES 60.0 1 1" in done.stdout and "BATCHES 0.0 1 3" in done.stdout, done.stdout[-2000:]
     assert "SAME ROWS True" in done.stdout, done.stdout[-2000:]
     # The model's first trace started the engine; its results go with the user's last reference
     # (a traceback vLLM keeps from its start held them for good)

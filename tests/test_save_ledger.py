@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TakenSaves, assemble_together
+from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TakenSaves
 
 
 def _rows(*values: float) -> torch.Tensor:
@@ -60,29 +60,6 @@ def test_chunks_saved_together_taken_in_three_batches_each_get_their_rows():
         1: {"a": [1, 11, 8], "b": [101, 111]},
     }
     assert ledger.take("t", [0, 1, 2]).assemble() == [{}, {}, {}]
-
-
-def test_takes_of_several_steps_assembled_together_keep_each_invoke_its_own_rows():
-    """A trace's invokes that finish in different steps are reported as one batch: their takes
-    are gathered into one allocation, each planned alone, so a slot number that stood for one
-    invoke in the first take and for another (admitted since) in the second gives each its rows."""
-    ledger = SaveLedger()
-    one_row_each = dict(starts=np.array([0, 1]), stops=np.array([1, 2]))
-    ledger.add("t", [("h", _rows(10, 11)), ("g", _rows(50, 51))], owners=np.array([0, 1]), **one_row_each)
-    first = ledger.take("t", [0])  # invoke A (slot 0) finishes; slot 0 goes to invoke C
-    ledger.add("t", [("h", _rows(20, 21))], owners=np.array([0, 1]), **one_row_each)
-    second = ledger.take("t", [1, 0])  # B and C finish a step later
-    calls = []
-
-    def allocate(specs):
-        calls.append(specs)
-        return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
-
-    a, b, c = assemble_together([first, second], allocate)
-    assert len(calls) == 1 and sorted(shape for shape, _ in calls[0]) == [(1, 1), (1, 1), (1, 1), (3, 1)]
-    assert {n: v.flatten().tolist() for n, v in a.items()} == {"h": [10], "g": [50]}
-    assert {n: v.flatten().tolist() for n, v in b.items()} == {"h": [11, 21], "g": [51]}
-    assert {n: v.flatten().tolist() for n, v in c.items()} == {"h": [20]}
 
 
 def test_rows_kept_on_the_device_give_their_room_back_once_every_holder_let_go():

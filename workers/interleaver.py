@@ -35,7 +35,7 @@ from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, device_index, short_name
 from interlace.workers.reporter import Reporter
 from interlace.workers.readonly import ReadOnlyTensor
-from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, assemble_together, host_copy
+from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, host_copy
 from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.slots import SlotTable
@@ -331,9 +331,10 @@ class Interleaver:
             if state.steps is not None and state.program is not None and state.error is None:
                 self._check_steps_ran(state)
         if finished and self.rank["tp_rank"] == 0:  # one report per TP group; every PP stage reports
-            self._report(finished)
-        for state in finished:  # after the report: the ledger has let go of the slot's rows
-            self.slots.remove(state.slot)
+            self._report(finished)  # their slots are given back once the ledger lets go of their rows
+        else:
+            for state in finished:
+                self.slots.remove(state.slot)
         if finished and self._group_numbers:
             live = {state.group_key for state in self.invokes.values()}
             self._group_numbers = {key: n for key, n in self._group_numbers.items() if key in live}
@@ -369,29 +370,24 @@ class Interleaver:
                 "never ran there; ask for steps below max_tokens, or pass ignore_eos=True"), where="end of generation"))
 
     def _report(self, finished: list[InvokeState]) -> None:
-        """Take the finished invokes' saves from the ledger (their slots are reused next) and hand
-        their reports to the reporter thread, one batch per (sink, trace).
+        """Hand the finished invokes' reports to the reporter thread, one batch per (sink, trace).
 
         A trace's invokes often finish a step or two apart (those admitted a step later). Their
         reports are held until the trace's last invoke on this rank finishes, or for at most
-        REPORT_HOLD_S, and written as one batch: one plan, one region and one header, not one per
-        step. Written at once, the first batch's gathering ran on the reporter thread during the
-        trace's last steps, slowing them (Python contends for the GIL), and the next waited behind
-        it: 55-70 ms from the last step to the results on an H100 host, for 512 MiB saved in three
-        batches (bench/step_probe.py, 2026-11-26)."""
-        batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
-        for state in finished:
-            batches[(state.sink, state.trace)].append(state)
+        REPORT_HOLD_S, and written as one batch: one take from the ledger, one plan, one region
+        and one header, not one of each per step. (Each invoke keeps its slot meanwhile, so no
+        invoke admitted since can be given its number and its rows.) Written at once, the first
+        batch's gathering ran on the reporter thread during the trace's last steps, slowing them
+        (Python contends for the GIL), and the next waited behind it: 55-70 ms from the last step
+        to the results on an H100 host, for 512 MiB saved in three batches (bench/step_probe.py,
+        2026-11-26)."""
         live = {(state.sink, state.trace) for state in self.invokes.values()}
-        stage = self.rank["pp_rank"]
-        for key, states in batches.items():
-            held = self._held.setdefault(key, _HeldReports(time.monotonic()))
-            held.takes.append(self.ledger.take(key[1], [state.slot for state in states]))
-            held.reports += [_report_of(state, stage) for state in states]
-            held.objects += [state.saves for state in states]
-            if key not in live:  # this rank's last batch of the trace
-                self._reserving.pop(key, None)
-                self._submit(key, last=True)
+        for state in finished:
+            key = (state.sink, state.trace)
+            self._held.setdefault(key, _HeldReports(time.monotonic())).states.append(state)
+        for key in {(state.sink, state.trace) for state in finished} - live:  # this rank's last batch of the trace
+            self._reserving.pop(key, None)
+            self._submit(key, last=True)
 
     def _submit_held(self, before: float) -> None:
         """Hand over the held reports that have waited since ``before``."""
@@ -399,9 +395,14 @@ class Interleaver:
             self._submit(key, last=False)
 
     def _submit(self, key: tuple[str, str], last: bool) -> None:
-        held = self._held.pop(key)
-        self.reporter.submit(functools.partial(_write_reports, *key, self.rank["pp_rank"], held.reports, held.takes,
-                                               held.objects, last))
+        states = self._held.pop(key).states
+        taken = self.ledger.take(key[1], [state.slot for state in states])
+        for state in states:  # the ledger has let go of their rows: the numbers may go to new invokes
+            self.slots.remove(state.slot)
+        stage = self.rank["pp_rank"]
+        reports = [_report_of(state, stage) for state in states]
+        self.reporter.submit(functools.partial(_write_reports, *key, stage, reports, taken,
+                                               [state.saves for state in states], last))
 
     def _reserve_ahead(self, state: InvokeState, nbytes: int) -> None:
         """Keep the trace's report data file reserved ahead of its saves (see report_file.py): a
@@ -942,28 +943,25 @@ def _reserve(sink: str, trace: str, stage: int, nbytes: int) -> None:
 
 @dataclass
 class _HeldReports:
-    """Finished invokes' reports of one trace, held for the rest of it (Interleaver._report)."""
+    """Finished invokes of one trace whose reports wait for the rest of it (Interleaver._report)."""
 
     since: float  # when the first of them finished
-    reports: list[dict] = field(default_factory=list)
-    takes: list[TakenSaves] = field(default_factory=list)  # their saves, one take per step they finished in
-    objects: list[dict[str, list]] = field(default_factory=list)
+    states: list[InvokeState] = field(default_factory=list)
 
 
-def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], takes: list[TakenSaves],
+def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
                    objects: list[dict[str, list]], last: bool) -> None:
     """On the reporter thread: write one batch of reports, then let the saves' host memory be
     reused (the reports hold copies of it); after the trace's last batch, close its data file."""
     try:
-        _write_batch(sink, trace, stage, reports, takes, objects)
+        _write_batch(sink, trace, stage, reports, taken, objects)
     finally:
-        for taken in takes:
-            taken.release()
+        taken.release()
         if last:
             open_sink(sink).close(trace, stage)
 
 
-def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], takes: list[TakenSaves],
+def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
                  objects: list[dict[str, list]]) -> None:
     """Assemble the saves into one batch file. If the batch cannot be written (e.g. an
     unpicklable save), each report is written alone, and those that still fail carry the error
@@ -978,7 +976,7 @@ def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], takes: 
                     report["saves"] = _with_objects(rows, values)
                 batch.finish(reports)
 
-            assemble_together(takes, batch.allocate, meanwhile=write_header)
+            taken.assemble(batch.allocate, meanwhile=write_header)
         return
     except Exception as exc:  # noqa: BLE001
         batch_error = error_record(exc, where="reporting results")

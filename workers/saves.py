@@ -251,58 +251,40 @@ class TakenSaves:
         if self.ledger is not None:
             self.ledger.release([chunk for parts in self.parts.values() for chunk, _ in parts])
 
-    def assemble(self, allocate: Allocate = host_tensors) -> list[dict[str, Any]]:
+    def assemble(self, allocate: Allocate = host_tensors,
+                 meanwhile: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
         """Each owner's saves by name: rows of all its chunks, in save order, concatenated along
         dim 0 (a residual saved every step is the whole sequence's).
 
         Each name's rows are gathered into one tensor that ``allocate`` gives for its shape and
         dtype (all at once, sizes known before any byte moves: a report file's data region, so
         that gathering is writing); each owner's result is a view of it.
+
+        ``meanwhile(results)`` runs once every copy is under way and before the copies from the GPU
+        are waited for: a report's header is written while its rows are still moving (pickling a
+        256-invoke header takes about as long as moving 512 MiB of rows on an H100 host).
         """
-        return assemble_together([self], allocate)
-
-
-def assemble_together(takes: list[TakenSaves], allocate: Allocate = host_tensors,
-                      meanwhile: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    """The results of several takes of one ledger, in order (each take's owners in its order),
-    with every take's rows gathered into tensors from one ``allocate`` call: one report file
-    region for invokes that finished in different steps (see interleaver.Interleaver._report).
-
-    ``meanwhile(results)`` runs once every copy is under way and before the copies from the GPU
-    are waited for: a report's header is written while its rows are still moving (pickling a
-    256-invoke header takes about as long as moving 512 MiB of rows on an H100 host).
-
-    Each take is planned on its own: a slot number may stand for one invoke in an earlier take and
-    for another, admitted since, in a later one."""
-    readies = [take.device_ready for take in takes if take.device_ready is not None]
-    ready = DeviceReady(readies[0].device, [e for r in readies for e in r.events]) if readies else None
-    with _after_engine(ready) as stream:  # on a side stream, behind the engine's device copies
-        try:
-            plans = []
-            for take in takes:
+        with _after_engine(self.device_ready) as stream:  # on a side stream, behind the engine's device copies
+            try:
                 layouts: dict = {}
-                plans.append({name: _plan(parts, take.wanted, layouts) for name, parts in take.parts.items()})
-            gathers = [(i, name, plan) for i, take_plans in enumerate(plans) for name, plan in take_plans.items()
-                       if isinstance(plan, _Gather)]
-            into = {(i, name): out for (i, name, _), out in zip(gathers, allocate([(g.shape, g.dtype) for *_, g in gathers]))}
-            for i, name, plan in gathers:
-                if plan.on_device:
-                    _gather_on_device(plan, into[i, name])
-            _copy([(copy.on_host(), into[i, name]) for i, name, plan in gathers if not plan.on_device
-                   for copy in plan.copies])
-            results: list[dict[str, Any]] = []
-            for i, (take, take_plans) in enumerate(zip(takes, plans)):
-                mine: list[dict[str, Any]] = [{} for _ in take.wanted]
-                for name, plan in take_plans.items():
-                    for j, value in (plan.views(into[i, name]) if (i, name) in into else plan).items():
-                        mine[j][name] = value
-                results += mine
-            if meanwhile is not None:
-                meanwhile(results)
-        finally:  # also after a failure: the copies read rows that the caller lets go of next
-            if stream is not None:
-                stream.synchronize()
-    return results
+                plans = {name: _plan(parts, self.wanted, layouts) for name, parts in self.parts.items()}
+                gathers = {name: plan for name, plan in plans.items() if isinstance(plan, _Gather)}
+                into = dict(zip(gathers, allocate([(g.shape, g.dtype) for g in gathers.values()])))
+                for name, plan in gathers.items():
+                    if plan.on_device:
+                        _gather_on_device(plan, into[name])
+                _copy([(copy.on_host(), into[name]) for name, plan in gathers.items() if not plan.on_device
+                       for copy in plan.copies])
+                results: list[dict[str, Any]] = [{} for _ in self.wanted]
+                for name, plan in plans.items():
+                    for i, value in (plan.views(into[name]) if name in into else plan).items():
+                        results[i][name] = value
+                if meanwhile is not None:
+                    meanwhile(results)
+            finally:  # also after a failure: the copies read rows that the caller lets go of next
+                if stream is not None:
+                    stream.synchronize()
+        return results
 
 
 @dataclass
