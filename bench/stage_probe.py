@@ -1,0 +1,170 @@
+"""Stage probe: where each rank of a TP/PP engine spends a trace (a diagnostic, not a figure).
+
+bench/step_probe.py times interlace's phases on a one-rank engine run inside its own process.
+Under TP or PP the ranks are worker processes, so this probe sends them its timers through
+vLLM's ``collective_rpc`` (a function shipped to every worker and called there with the worker)
+and reads them back after each trace. It runs the engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to time the scheduler loop too. Per case and rank it prints:
+
+- the rank's steps (``execute_model`` calls): how many, wall and CPU time in them, and how long the
+  rank sat between them (waiting for its next batch: under PP, the stage that waits least is the
+  one that sets the pace);
+- interlace's phases on that rank (begin_step, hooks, end_step, finish, the reporter's batches),
+  in ms per step;
+- the tail: when the rank ended its last step and wrote its last report, counted back from the
+  moment the driver had the trace's results.
+
+Usage: python bench/stage_probe.py [--pp 2] [--tp 1] [--graphs] [--tiny] [--n 256] [--in 128] [--out 128]
+       [--cases none,ops-save4,ops-steer1] [--rounds 2]
+Each case runs ``--rounds`` times after a warm-up trace; every round prints its own table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+# The worker side. These functions travel to the workers by value (cloudpickle ships functions of
+# __main__ whole), so what they keep lives on the worker object, not in this module's globals.
+
+
+def _install(worker) -> int:
+    """Wrap the rank's step and interlace's phases with timers; returns the rank's pid."""
+    import functools
+    import time as clock
+
+    from interlace.workers import interleaver, saves, taps
+
+    if getattr(worker, "_stage_probe", None) is not None:
+        return os.getpid()
+    probe = worker._stage_probe = {"totals": {}, "counts": {}, "steps": [], "marks": {}}
+
+    def timed(owner, name: str, label: str, step: bool = False) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            started, cpu = clock.perf_counter(), clock.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ended = clock.perf_counter()
+                probe["totals"][label] = probe["totals"].get(label, 0.0) + ended - started
+                probe["counts"][label] = probe["counts"].get(label, 0) + 1
+                probe["marks"][label] = clock.time()  # wall clock: comparable with the driver's
+                if step:
+                    probe["steps"].append((started, ended, clock.thread_time() - cpu))
+
+        setattr(owner, name, wrapper)
+
+    timed(type(worker), "execute_model", "rank: execute_model", step=True)
+    timed(type(worker), "sample_tokens", "rank: sample_tokens")
+    timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
+    timed(interleaver.Interleaver, "_dispatch", "interleaver.hooks")
+    timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
+    timed(interleaver.Interleaver, "finish", "interleaver.finish")
+    timed(interleaver.Interleaver, "_submit", "  finish: a held batch handed over")
+    timed(saves.SaveLedger, "take", "  finish: ledger.take")
+    timed(interleaver, "_write_reports", "reporter: a batch written")
+    timed(saves.TakenSaves, "assemble", "  reporter: gather and copy")
+    timed(taps.Taps, "fill", "  begin_step: taps.fill")
+    return os.getpid()
+
+
+def _reset(worker) -> None:
+    probe = worker._stage_probe
+    for value in probe.values():
+        value.clear()
+
+
+def _collect(worker) -> dict:
+    from vllm.distributed import parallel_state
+
+    probe = worker._stage_probe
+    rank = {"tp": parallel_state.get_tensor_model_parallel_rank(), "pp": parallel_state.get_pp_group().rank_in_group}
+    return {"rank": rank, "totals": dict(probe["totals"]), "counts": dict(probe["counts"]),
+            "steps": list(probe["steps"]), "marks": dict(probe["marks"])}
+
+
+# The driver side.
+
+
+def print_rank(report: dict, done_at: float) -> None:
+    import numpy as np
+
+    steps = report["steps"]
+    rank = f"TP{report['rank']['tp']} PP{report['rank']['pp']}"
+    if not steps:
+        print(f"  {rank}: no steps")
+        return
+    starts, ends, cpu = (np.array(column) for column in zip(*steps))
+    wall = ends - starts
+    between = np.maximum(0.0, starts[1:] - ends[:-1]).sum()
+    n = len(steps)
+    print(f"  {rank}: {n} steps; in steps {wall.sum():.3f} s wall (median {1000 * np.median(wall):.2f} ms), "
+          f"{cpu.sum():.3f} s CPU; between steps {between:.3f} s")
+    for label, total in sorted(report["totals"].items(), key=lambda kv: -kv[1]):
+        print(f"    {label:38} {total:8.3f} s {1000 * total / n:8.3f} ms/step ({report['counts'][label]} calls)")
+    marks = report["marks"]
+    tail = [f"{name} {1000 * (done_at - marks[key]):.1f} ms" for name, key in
+            (("last step ended", "rank: execute_model"), ("last report written", "reporter: a batch written"))
+            if key in marks]
+    if tail:
+        print(f"    before the driver had the results: {', '.join(tail)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--in", dest="inp", type=int, default=128)
+    parser.add_argument("--out", type=int, default=128)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--graphs", action="store_true", help="a compiled engine with the ops cases' points as graph taps")
+    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
+    parser.add_argument("--cases", default="none,ops-save4,ops-steer1")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    import interlace
+    from runner_bench import MODEL_DIR, config, graph_taps, host_line, interlace_cases, make_model_dir, prompts, run_interlace
+
+    print(host_line(), flush=True)
+    if not args.tiny:
+        make_model_dir(MODEL_DIR)
+    cfg = config(args)
+    if args.graphs:
+        from transformers import AutoConfig
+
+        layers = AutoConfig.from_pretrained(cfg.checkpoint_path()).num_hidden_layers
+        cfg = cfg.model_copy(update={"graph_taps": graph_taps(layers)})
+    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
+        cfg = cfg.model_copy(update={"engine_args": {**cfg.engine_args, "distributed_executor_backend": "mp"}})
+    model = interlace.Model(cfg)
+    hf = model.engine.llm_engine.model_config.hf_config
+    cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
+    vocab = min(1000, hf.vocab_size)
+    print(f"ranks (pids): {model.engine.collective_rpc(_install)}", flush=True)
+    seed = 1
+    for name in args.cases.split(","):
+        run_interlace(model, prompts(args.n, args.inp, vocab, seed=seed), args.out, cases[name])  # warm-up
+        seed += 1
+        for round_ in range(args.rounds):
+            model.engine.collective_rpc(_reset)
+            seconds, tokens, saved = run_interlace(model, prompts(args.n, args.inp, vocab, seed=seed), args.out, cases[name])
+            done_at = time.time()
+            seed += 1
+            print(f"\n{name} (round {round_}): {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {saved:.1f} MiB saved; "
+                  f"TP={args.tp} PP={args.pp}, {'CUDA graphs' if args.graphs else 'eager'}")
+            for report in sorted(model.engine.collective_rpc(_collect), key=lambda r: (r["rank"]["pp"], r["rank"]["tp"])):
+                print_rank(report, done_at)
+    model.close()
+
+
+if __name__ == "__main__":
+    main()
