@@ -15,7 +15,7 @@ and reads them back after each trace. It runs the engine core in this process
   moment the driver had the trace's results.
 
 Usage: python bench/stage_probe.py [--pp 2] [--tp 1] [--graphs] [--tiny] [--n 256] [--in 128] [--out 128]
-       [--cases none,ops-save4,ops-steer1] [--rounds 2]
+       [--cases none,ops-save4,ops-steer1] [--rounds 2] [--syncs]
 Each case runs ``--rounds`` times after a warm-up trace; every round prints its own table.
 """
 
@@ -31,28 +31,49 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 # __main__ whole), so what they keep lives on the worker object, not in this module's globals.
 
 
-def _install(worker) -> int:
-    """Wrap the rank's step and interlace's phases with timers; returns the rank's pid."""
+def _install(worker, check_syncs: bool = False) -> int:
+    """Wrap the rank's step and interlace's phases with timers; returns the rank's pid. With
+    ``check_syncs`` interlace's phases run under torch's sync debug mode, and each synchronising
+    CUDA call they make is counted by where it was made."""
     import functools
     import time as clock
+    import warnings
+
+    import torch
 
     from interlace.workers import interleaver, saves, taps
 
     if getattr(worker, "_stage_probe", None) is not None:
         return os.getpid()
-    probe = worker._stage_probe = {"totals": {}, "counts": {}, "steps": [], "marks": {}}
+    probe = worker._stage_probe = {"totals": {}, "counts": {}, "steps": [], "marks": {}, "syncs": {}}
+    check_syncs = check_syncs and torch.cuda.is_available()
 
     def timed(owner, name: str, label: str, step: bool = False) -> None:
         original = getattr(owner, name, None)
         if original is None:
             return
+        checked = check_syncs and not step and not label.startswith(("reporter", "  reporter"))  # the engine thread's
 
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
             started, cpu = clock.perf_counter(), clock.thread_time()
+            mode = torch.cuda.get_sync_debug_mode() if checked else None
+            if mode is not None:
+                torch.cuda.set_sync_debug_mode(1)
+            caught: list = []
             try:
-                return original(*args, **kwargs)
+                if mode is None:  # catch_warnings is process-wide state: only on the checked (engine) thread
+                    return original(*args, **kwargs)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    return original(*args, **kwargs)
             finally:
+                if mode is not None:
+                    torch.cuda.set_sync_debug_mode(mode)
+                    for w in caught:
+                        if "synchroniz" in str(w.message):
+                            where = f"{label}: {w.filename}:{w.lineno}"
+                            probe["syncs"][where] = probe["syncs"].get(where, 0) + 1
                 ended = clock.perf_counter()
                 probe["totals"][label] = probe["totals"].get(label, 0.0) + ended - started
                 probe["counts"][label] = probe["counts"].get(label, 0) + 1
@@ -73,6 +94,8 @@ def _install(worker) -> int:
     timed(interleaver, "_write_reports", "reporter: a batch written")
     timed(saves.TakenSaves, "assemble", "  reporter: gather and copy")
     timed(taps.Taps, "fill", "  begin_step: taps.fill")
+    for phase in ("prepare_inputs", "sample", "postprocess_sampled"):  # vLLM's own (V2 runner names)
+        timed(type(worker.model_runner), phase, f"vllm: {phase}")
     return os.getpid()
 
 
@@ -88,7 +111,7 @@ def _collect(worker) -> dict:
     probe = worker._stage_probe
     rank = {"tp": parallel_state.get_tensor_model_parallel_rank(), "pp": parallel_state.get_pp_group().rank_in_group}
     return {"rank": rank, "totals": dict(probe["totals"]), "counts": dict(probe["counts"]),
-            "steps": list(probe["steps"]), "marks": dict(probe["marks"])}
+            "steps": list(probe["steps"]), "marks": dict(probe["marks"]), "syncs": dict(probe["syncs"])}
 
 
 # The driver side.
@@ -116,6 +139,8 @@ def print_rank(report: dict, done_at: float) -> None:
             if key in marks]
     if tail:
         print(f"    before the driver had the results: {', '.join(tail)}")
+    for where, count in sorted(report["syncs"].items(), key=lambda kv: -kv[1])[:10]:
+        print(f"    sync x{count}: {where}")
 
 
 def main() -> None:
@@ -129,6 +154,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--syncs", action="store_true", help="count synchronising CUDA calls in interlace's phases "
+                        "(torch's sync debug mode; adds microseconds per call)")
     args = parser.parse_args()
 
     import interlace
@@ -149,7 +176,7 @@ def main() -> None:
     hf = model.engine.llm_engine.model_config.hf_config
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     vocab = min(1000, hf.vocab_size)
-    print(f"ranks (pids): {model.engine.collective_rpc(_install)}", flush=True)
+    print(f"ranks (pids): {model.engine.collective_rpc(_install, args=(args.syncs,))}", flush=True)
     seed = 1
     for name in args.cases.split(","):
         run_interlace(model, prompts(args.n, args.inp, vocab, seed=seed), args.out, cases[name])  # warm-up
