@@ -99,10 +99,15 @@ def _install(worker, check_syncs: bool = False) -> int:
     return os.getpid()
 
 
+def _graph_steps(worker) -> dict:
+    return dict(getattr(worker.model_runner._interlace, "graph_steps", None) or {})
+
+
 def _reset(worker) -> None:
     probe = worker._stage_probe
     for value in probe.values():
         value.clear()
+    probe["graph_steps_before"] = _graph_steps(worker)
 
 
 def _collect(worker) -> dict:
@@ -110,11 +115,45 @@ def _collect(worker) -> dict:
 
     probe = worker._stage_probe
     rank = {"tp": parallel_state.get_tensor_model_parallel_rank(), "pp": parallel_state.get_pp_group().rank_in_group}
+    before = probe.get("graph_steps_before", {})
+    rank["graph_steps"] = {kind: n - before.get(kind, 0) for kind, n in _graph_steps(worker).items()}
     return {"rank": rank, "totals": dict(probe["totals"]), "counts": dict(probe["counts"]),
             "steps": list(probe["steps"]), "marks": dict(probe["marks"]), "syncs": dict(probe["syncs"])}
 
 
 # The driver side.
+
+ENGINE: dict[str, list[float]] = {}  # the engine core's loop, in this process: label -> [seconds, calls]
+
+
+def time_engine_core() -> None:
+    """The engine core's loop runs in this process: time its steps and the scheduler's parts (what
+    is left of a step is mostly the wait for the ranks' outputs)."""
+    import functools
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    def timed(owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                entry = ENGINE.setdefault(label, [0.0, 0])
+                entry[0] += time.perf_counter() - started
+                entry[1] += 1
+
+        setattr(owner, name, wrapper)
+
+    timed(EngineCore, "step_with_batch_queue", "engine core: step (batch queue)")
+    timed(EngineCore, "step", "engine core: step")
+    timed(Scheduler, "schedule", "  scheduler: schedule")
+    timed(Scheduler, "update_from_output", "  scheduler: update_from_output")
+
 
 
 def print_rank(report: dict, done_at: float) -> None:
@@ -129,8 +168,9 @@ def print_rank(report: dict, done_at: float) -> None:
     wall = ends - starts
     between = np.maximum(0.0, starts[1:] - ends[:-1]).sum()
     n = len(steps)
-    print(f"  {rank}: {n} steps; in steps {wall.sum():.3f} s wall (median {1000 * np.median(wall):.2f} ms), "
-          f"{cpu.sum():.3f} s CPU; between steps {between:.3f} s")
+    kinds = report["rank"]["graph_steps"]  # a compiled engine's steps by kind: graph, taps or eager
+    print(f"  {rank}: {n} steps{f' {kinds}' if kinds else ''}; in steps {wall.sum():.3f} s wall "
+          f"(median {1000 * np.median(wall):.2f} ms), {cpu.sum():.3f} s CPU; between steps {between:.3f} s")
     for label, total in sorted(report["totals"].items(), key=lambda kv: -kv[1]):
         print(f"    {label:38} {total:8.3f} s {1000 * total / n:8.3f} ms/step ({report['counts'][label]} calls)")
     marks = report["marks"]
@@ -172,6 +212,7 @@ def main() -> None:
         cfg = cfg.model_copy(update={"graph_taps": graph_taps(layers)})
     if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
         cfg = cfg.model_copy(update={"engine_args": {**cfg.engine_args, "distributed_executor_backend": "mp"}})
+    time_engine_core()  # before the engine starts: it keeps its step method bound from then on
     model = interlace.Model(cfg)
     hf = model.engine.llm_engine.model_config.hf_config
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
@@ -183,11 +224,14 @@ def main() -> None:
         seed += 1
         for round_ in range(args.rounds):
             model.engine.collective_rpc(_reset)
+            ENGINE.clear()
             seconds, tokens, saved = run_interlace(model, prompts(args.n, args.inp, vocab, seed=seed), args.out, cases[name])
             done_at = time.time()
             seed += 1
             print(f"\n{name} (round {round_}): {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {saved:.1f} MiB saved; "
                   f"TP={args.tp} PP={args.pp}, {'CUDA graphs' if args.graphs else 'eager'}")
+            for label, (total, calls) in sorted(ENGINE.items(), key=lambda kv: kv[0].startswith(" ")):  # steps first
+                print(f"  {label:40} {total:8.3f} s ({calls} calls)")
             for report in sorted(model.engine.collective_rpc(_collect), key=lambda r: (r["rank"]["pp"], r["rank"]["tp"])):
                 print_rank(report, done_at)
     model.close()
