@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 from interlace.cluster.merge import merge_shared
 from interlace.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
 from interlace.wire import Completion, ErrorRecord, InvokePayload, Report
-from interlace.workers.scheduler import GANG_KEY, WHOLE_PROMPT_KEY
+from interlace.workers.scheduler import GANG_KEY, PROGRAM_KEY, WHOLE_PROMPT_KEY
 from interlace.workers.sink import read_new_reports, writing_reports
 
 
@@ -46,8 +46,10 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
             # which its hooks must see; plain requests keep the cache.
             prompt["cache_salt"] = f"interlace-{wire_trace}-{payload.invoke}"
             extra = {"interlace": payload_bytes(payload), GANG_KEY: [wire_trace, payload.invoke, gang_size]}
-            if payload.program is not None and (payload.steps is None or 0 in payload.steps):
-                extra[WHOLE_PROMPT_KEY] = True  # the program sees the prompt at once
+            if payload.program is not None:
+                extra[PROGRAM_KEY] = True  # preempted last: its accesses cannot be replayed
+                if payload.steps is None or 0 in payload.steps:
+                    extra[WHOLE_PROMPT_KEY] = True  # the program sees the prompt at once
         requests.append(prompt)
         params.append(SamplingParams(**settings, extra_args=extra))
     return requests, params

@@ -1,6 +1,7 @@
 """A request vLLM preempts (KV cache pressure) is recomputed from scratch. Declarative ops are
 replayed on the recomputed rows exactly (edits applied again, saves not repeated); a program's
-accesses cannot be, so its invoke fails clearly, never running on the wrong tokens."""
+accesses cannot be, so requests with a program are preempted last, and one that is preempted all
+the same fails clearly, never running on the wrong tokens."""
 
 from __future__ import annotations
 
@@ -59,3 +60,28 @@ def test_preempted_ops_are_replayed_exactly(small_cache, llama, oracles):
         for name in ("layers.2.resid", "layers.3.resid"):  # each row saved once
             assert result.saves[name].shape == alone.saves[name].shape
             torch.testing.assert_close(result.saves[name], alone.saves[name], atol=ATOL, rtol=ATOL)
+
+
+def test_programs_are_preempted_last_so_one_among_ops_invokes_completes_exactly(small_cache, llama, oracles):
+    """The program's invoke comes last, the request vLLM would preempt first by itself; the ops
+    invokes are preempted instead (and replayed), and the program runs through undisturbed."""
+    ids = _ids(oracles)
+
+    def read(m):
+        m.save("h", m.last(m.layers[1].resid))
+
+    invoke_ops = [ops.save("layers.2.resid", tokens="last")]
+    replays_before = sum(small_cache.engine.collective_rpc("interlace_replays"))
+    with small_cache.trace(max_tokens=MAX_TOKENS, ignore_eos=True) as tr:
+        for _ in range(5):
+            tr.invoke(ids, ops=invoke_ops)
+        tr.invoke(ids, program=read)
+    assert sum(small_cache.engine.collective_rpc("interlace_replays")) > replays_before  # others were preempted
+
+    alone = llama.generate(ids, program=read, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert tr.result[5].token_ids == alone.token_ids
+    torch.testing.assert_close(tr.result[5].saves["h"], alone.saves["h"], atol=ATOL, rtol=ATOL)
+    alone_ops = llama.generate(ids, ops=invoke_ops, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for result in tr.result[:5]:
+        assert result.token_ids == alone_ops.token_ids
+        torch.testing.assert_close(result.saves["layers.2.resid"], alone_ops.saves["layers.2.resid"], atol=ATOL, rtol=ATOL)

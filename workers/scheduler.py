@@ -14,6 +14,13 @@ instead of being split. This is skipped while any waiting prompt exceeds the who
 could never be admitted unsplit and would block the queue); a program prompt that is split
 anyway fails with a message naming the fix.
 
+When the KV cache runs short, vLLM preempts the running request that came last (first-come
+first-served) and recomputes it later. Declarative ops and plain requests come through that
+exactly (ops are replayed on the recomputed rows); a program's cannot, so its invoke fails
+(interleaver.py, ``_schedule``). So requests with a program go first in vLLM's running queue:
+vLLM preempts them only when no other running request is left to preempt. (Under vLLM's
+``priority`` policy the user's priorities decide, as they would without interlace.)
+
 Selected with ``scheduler_cls="interlace.workers.scheduler.make_scheduler"``; it subclasses
 whichever scheduler vLLM would have used (async scheduling keeps working).
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, intervened invokes]
 WHOLE_PROMPT_KEY = "interlace_whole_prompt"  # extra_args[WHOLE_PROMPT_KEY] = True: do not split
+PROGRAM_KEY = "interlace_program"  # extra_args[PROGRAM_KEY] = True: a program runs (preempt it last)
 
 
 class GangAdmission:
@@ -29,6 +37,12 @@ class GangAdmission:
     keeps program prompts whole."""
 
     def schedule(self, *args, **kwargs):
+        if self._interlace_programs and self.policy.value == "fcfs":
+            # vLLM preempts from the end of the running queue: programs first (a stable sort keeps
+            # each kind in vLLM's order). Only while a program request is live: plain traffic
+            # never pays for it.
+            programs = self._interlace_programs
+            self.running.sort(key=lambda request: request.request_id not in programs)
         config = self.scheduler_config
         if not config.enable_chunked_prefill or not self._interlace_keep_whole():
             return super().schedule(*args, **kwargs)
@@ -76,9 +90,16 @@ class GangAdmission:
 
     def _interlace_enqueue(self, request) -> None:
         """Hand ``request`` to vLLM's waiting queue."""
-        if _extra(request).get(WHOLE_PROMPT_KEY):
+        extra = _extra(request)
+        if extra.get(WHOLE_PROMPT_KEY):
             self._interlace_whole_waiting = True
+        if extra.get(PROGRAM_KEY):
+            self._interlace_programs.add(request.request_id)
         super().add_request(request)
+
+    def _free_request(self, request, *args, **kwargs):
+        self._interlace_programs.discard(request.request_id)  # finished or aborted
+        return super()._free_request(request, *args, **kwargs)
 
 
 def _extra(request) -> dict:
@@ -103,4 +124,5 @@ def make_scheduler(*args, vllm_config, **kwargs):
     scheduler = cls(*args, vllm_config=vllm_config, **kwargs)
     scheduler._interlace_held = {}
     scheduler._interlace_whole_waiting = False  # a request that needs its prompt whole may wait
+    scheduler._interlace_programs = set()  # live requests with a program, by id: preempted last
     return scheduler
