@@ -14,13 +14,18 @@ of the pairs' ratios):
                kept whole on one of them (min_shard_invokes past N). Target: >= 1.9x with one GPU
                per replica; on a machine with one GPU the two replicas share it (half a GPU each),
                and on CPU each replica has one core: reported as such. Case ops-save4.
+    throughput the same two-replica cluster, two traces of N prompts each (each kept whole, as a
+               sweep's or a server's traces are): submitted together, so each replica runs one
+               at full batch, against one after the other, so one replica runs at a time. What a
+               second replica adds when the batch per replica stays the same (``scaling`` also
+               halves it), with both replicas' saves still going to the one driver.
 
 Every cluster trace also prints where its time went on the driver (``driver_phases``: seconds
 from its start for building the invokes, submit, each shard's round trip to its replica, the
 collector's take and the assembly), to find what does not shrink with a second replica.
 
 Usage: python bench/cluster_bench.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--tiny]
-       [--phases overhead,scaling]
+       [--phases overhead,scaling,throughput]
 GPU machines: bash bench/gpu_session.sh python3 bench/cluster_bench.py
 """
 
@@ -97,6 +102,26 @@ def run_trace(target, data, out: int, case: dict) -> tuple[float, int]:
     return ended - started, sum(len(r.token_ids) for r in tr.result)
 
 
+def run_traces(cluster, batches: list, out: int, case: dict, together: bool) -> tuple[float, int]:
+    """Several traces on a cluster: each submitted as soon as it is built (``together``), or each
+    run to its end before the next is built."""
+    started = time.perf_counter()
+    futures, results = [], []
+    for data in batches:
+        tr = cluster.trace(max_tokens=out, ignore_eos=True, timeout_s=3600)
+        for p in data:
+            tr.invoke(p, **case)
+        futures.append(cluster.submit(tr))
+        if not together:
+            results.append(futures.pop().result())
+    results += [future.result() for future in futures]
+    seconds = time.perf_counter() - started
+    if PHASES is not None:  # the shards' round trips overlap when submitted together
+        print(json.dumps({"driver_phases": PHASES.summary(started, started, started + seconds),
+                          "traces": len(batches), "together": together}), flush=True)
+    return seconds, sum(len(r.token_ids) for result in results for r in result.invokes)
+
+
 def paired(name: str, sides: dict, data_for, repeats: int) -> dict:
     """Alternate the two sides over ``repeats`` rounds on fresh prompts; ratios second / first."""
     (base_name, base), (other_name, other) = sides.items()
@@ -141,7 +166,7 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per phase")
     parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
-    parser.add_argument("--phases", default="overhead,scaling")
+    parser.add_argument("--phases", default="overhead,scaling,throughput")
     args = parser.parse_args()
     args.tp = args.pp = 1
 
@@ -182,7 +207,7 @@ def main() -> None:
         one.close()
     model.close()
 
-    if "scaling" in phases:
+    if "scaling" in phases or "throughput" in phases:
         two = interlace.Cluster(cluster_config(cfg, 2, gpus))
         split = two.config
         whole = split.model_copy(update={"min_shard_invokes": args.n + 1})  # one shard: one replica
@@ -194,17 +219,24 @@ def main() -> None:
             return run
 
         on(split)(fresh())  # warm-up: both replicas at full size
-        results.append(paired("scaling ops-save4", {"1-replica": on(whole), "2-replicas": on(split)},
-                              fresh, args.repeats) | {"where": placement(gpus, 2)})
+        if "scaling" in phases:
+            results.append(paired("scaling ops-save4", {"1-replica": on(whole), "2-replicas": on(split)},
+                                  fresh, args.repeats) | {"where": placement(gpus, 2)})
+        if "throughput" in phases:
+            two.config = whole
+            results.append(paired("throughput ops-save4", {
+                "one-by-one": lambda batches: run_traces(two, batches, args.out, case, together=False),
+                "together": lambda batches: run_traces(two, batches, args.out, case, together=True)},
+                lambda: [fresh(), fresh()], args.repeats) | {"where": placement(gpus, 2)})
         two.close()
     ray.shutdown()
 
     device = torch.cuda.get_device_name(0) if gpus else "CPU"
     print(f"\n{args.n} prompts x {args.inp} in / {args.out} out, {cfg.name} ({cfg.dtype}), {device}; "
           f"{args.repeats} pairs per phase")
-    print(f"{'phase, case':18} {'base':>10} {'tok/s':>9} {'other':>11} {'tok/s':>9} {'ratio':>6} {'min':>6} {'max':>6}  placement")
+    print(f"{'phase, case':22} {'base':>10} {'tok/s':>9} {'other':>11} {'tok/s':>9} {'ratio':>6} {'min':>6} {'max':>6}  placement")
     for r in results:
-        print(f"{r['phase']:18} {r['base']:>10} {r['base_tok_s']:9.0f} {r['other']:>11} {r['other_tok_s']:9.0f} "
+        print(f"{r['phase']:22} {r['base']:>10} {r['base_tok_s']:9.0f} {r['other']:>11} {r['other_tok_s']:9.0f} "
               f"{r['ratio']:6.2f} {r['min']:6.2f} {r['max']:6.2f}  {r['where']}")
 
 
