@@ -12,7 +12,9 @@
 # cases twice (warm, timed); PER_RUN_S (default 240) bounds each process, and the first process of a
 # call gets FIRST_EXTRA_S more (default 200): on a fresh host it compiles the engines for every later
 # process (vLLM's compile cache is on disk); on an H200 on 2026-11-26 runner's first process had
-# started both engines but given no pair by 285 s, and the second gave 24 pairs in 285 s. A process past its time gets SIGINT first, so its engines shut down and it
+# started both engines but given no pair by 285 s, and the second gave 24 pairs in 285 s. At TP=2 or
+# PP=2 (two H200s, 2026-11-27) a fresh host's first process gave no pair in 330 s; a process on
+# the warm cache ran 40 TP=2 pairs in 462 s, and a PP=2 one that compiled gave 21 pairs in 440 s. A process past its time gets SIGINT first, so its engines shut down and it
 # leaves no files behind (after a SIGTERM during a start, a load-errors file was found in /tmp).
 # Logs: $OUT/ab-<name>.log.
 # BENCH_ARGS are passed on to the bench script, e.g. BENCH_ARGS=--graphs for compiled engines.
