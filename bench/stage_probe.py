@@ -210,7 +210,11 @@ def main() -> None:
 
         layers = AutoConfig.from_pretrained(cfg.checkpoint_path()).num_hidden_layers
         cfg = cfg.model_copy(update={"graph_taps": graph_taps(layers)})
-    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
+    import torch
+
+    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1 and not torch.cuda.is_available():
+        # as tests/test_parallel.py's CPU engines; on a GPU vLLM picks "mp" itself, and the config
+        # stays runner_bench's, whose compiled graphs this probe then finds in vLLM's cache
         cfg = cfg.model_copy(update={"engine_args": {**cfg.engine_args, "distributed_executor_backend": "mp"}})
     time_engine_core()  # before the engine starts: it keeps its step method bound from then on
     model = interlace.Model(cfg)
