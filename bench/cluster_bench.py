@@ -224,6 +224,7 @@ def main() -> None:
                                   fresh, args.repeats) | {"where": placement(gpus, 2)})
         if "throughput" in phases:
             two.config = whole
+            run_traces(two, [fresh(), fresh()], args.out, case, together=True)  # warm-up: N per replica
             results.append(paired("throughput ops-save4", {
                 "one-by-one": lambda batches: run_traces(two, batches, args.out, case, together=False),
                 "together": lambda batches: run_traces(two, batches, args.out, case, together=True)},

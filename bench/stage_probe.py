@@ -28,7 +28,9 @@ import time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 # The worker side. These functions travel to the workers by value (cloudpickle ships functions of
-# __main__ whole), so what they keep lives on the worker object, not in this module's globals.
+# __main__ whole), so what they keep lives on the worker object, not in this module's globals;
+# for the same reason the timer below is its own, not bench/step_probe.py's (which fills that
+# module's globals in the one process it probes).
 
 
 def _install(worker, check_syncs: bool = False) -> int:

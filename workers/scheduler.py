@@ -33,8 +33,8 @@ PROGRAM_KEY = "interlace_program"  # extra_args[PROGRAM_KEY] = True: a program r
 
 
 class GangAdmission:
-    """Mixed into vLLM's Scheduler: holds requests until their trace's gang is complete, and
-    keeps program prompts whole."""
+    """Mixed into vLLM's Scheduler: holds requests until their trace's gang is complete, keeps
+    program prompts whole, and has vLLM preempt requests with a program last."""
 
     def schedule(self, *args, **kwargs):
         if self._interlace_programs and self.policy.value == "fcfs":
