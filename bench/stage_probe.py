@@ -96,6 +96,7 @@ def _install(worker, check_syncs: bool = False) -> int:
     timed(interleaver, "_write_reports", "reporter: a batch written")
     timed(saves.TakenSaves, "assemble", "  reporter: gather and copy")
     timed(taps.Taps, "fill", "  begin_step: taps.fill")
+    timed(interleaver.Interleaver, "_schedule_afresh", "  begin_step: batch built afresh")  # a new epoch
     for phase in ("prepare_inputs", "sample", "postprocess_sampled"):  # vLLM's own (V2 runner names)
         timed(type(worker.model_runner), phase, f"vllm: {phase}")
     return os.getpid()

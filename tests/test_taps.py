@@ -221,7 +221,10 @@ def test_ops_at_taps_apply_in_forwards_larger_than_any_captured_graph(compiled_t
 def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
     """A tap op called where no graph was captured (Taps._work) against the whole path, on this
     machine's device: a step that asks nothing passes values through and records nothing; one
-    that asks only saves records the stream as the whole path would; an edit edits its rows."""
+    that asks only saves records the stream as the whole path would; an edit edits its rows.
+    Batches that take turns (pipeline parallelism) each get their own rows back."""
+    import itertools
+
     import numpy as np
 
     from interlace.workers import taps as taps_module
@@ -232,9 +235,14 @@ def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
                             max_vectors=2, dtype=torch.float32, device=device)
     hidden, residual = torch.randn(4, HIDDEN, device=device), torch.randn(4, HIDDEN, device=device)
 
-    def step(kind: str, rows: list[int], value=None):  # one op at layer 1, as the interleaver hands it over
+    epochs = itertools.count(1)
+
+    def at_layer_1(kind: str, rows: list[int], value=None) -> dict:  # one op, as the interleaver hands it over
         op = SimpleNamespace(rows=np.array(rows, dtype=np.int64), op={"op": kind, "value": value, "key": kind})
-        taps.fill({("model.layers.1", "resid"): [(None, op)]})
+        return {("model.layers.1", "resid"): [(None, op)]}
+
+    def step(kind: str, rows: list[int], value=None, ops=None, epoch=None):
+        taps.fill(ops or at_layer_1(kind, rows, value), epoch or next(epochs))
         return taps.run(hidden, residual, 0), taps.run(hidden, residual, 1)
 
     (out_hidden, out_residual), _ = step("save", [])  # no rows this step: nothing asked
@@ -253,6 +261,15 @@ def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
     taps.clear()
     (out_hidden, _), _ = step("save", [])
     assert torch.equal(out_hidden, hidden) and taps.ran.tolist() == [2, 0]
+    # two decoding batches taking turns, each a step on in its own epoch: each step gets its own rows
+    first, second = at_layer_1("scale", [0, 1, 2], 3.0), at_layer_1("zero", [3])
+    for epoch, ops_of in [(100, first), (101, second), (100, first), (101, second), (100, first)]:
+        (out_hidden, out_residual), _ = step("", [], ops=ops_of, epoch=epoch)
+    torch.testing.assert_close(out_hidden[:3], (hidden[:3] + residual[:3]) * 3)
+    assert torch.equal(out_hidden[3], hidden[3]) and torch.equal(out_residual[3], residual[3])
+    (out_hidden, out_residual), _ = step("", [], ops=second, epoch=101)
+    assert torch.equal(out_hidden[:3], hidden[:3]) and torch.equal(out_residual[:3], residual[:3])
+    assert not out_hidden[3].any() and not out_residual[3].any()
 
 
 def _output_taps_match_transformers(model, oracle, atol: float) -> None:
@@ -316,6 +333,33 @@ def test_every_pipeline_stage_takes_the_same_path_in_a_step(llama):
         assert_same(got, run(llama, mixed))
     finally:
         staged.close()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks(2)
+def test_batches_taking_turns_on_pipeline_stages_each_keep_their_own_ops(oracles):
+    """Under pipeline parallelism vLLM keeps several batches in flight, and their steps take turns
+    on every stage. Each batch keeps its own per-epoch work (its invokes' rows, its ops, its staged
+    tap rows): eight invokes, each steering with its own vector and saving its last token, split by
+    a small token budget into two batches that decode in turns, all equal transformers."""
+    oracle, n, steps = oracles["tiny-llama"], 8, 8
+    prompts = [f"Prompt number {i} says" for i in range(n)]
+    staged = interlace.Model("tiny-llama", pipeline_parallel_size=2, graph_taps=["layers.1.resid", "layers.3.resid"],
+                             enable_chunked_prefill=True, max_num_batched_tokens=32)
+    try:
+        before = [rank["taps"]["steps"] for rank in staged.step_counts()]
+        with staged.trace(max_tokens=steps, ignore_eos=True) as tr:
+            for i, prompt in enumerate(prompts):
+                tr.invoke(prompt, ops=[ops.add("layers.1.resid", vector(30 + i)), ops.save("layers.3.resid", tokens="last")])
+        after = [rank["taps"]["steps"] for rank in staged.step_counts()]
+    finally:
+        staged.close()
+    assert all(a - b >= 2 * (steps - 1) for a, b in zip(after, before))  # two batches, in turns, every step tapped
+    for i, (prompt, got) in enumerate(zip(prompts, tr.result.invokes, strict=True)):
+        ids, hooks = oracle.ids(prompt), {oracle.layers[1]: lambda h, v=vector(30 + i): h + v}
+        assert got.token_ids == oracle.greedy(ids, steps, hooks=hooks), i
+        want = oracle.run(ids + got.token_ids[:-1], hooks)["resid"][3][len(ids) - 1:]
+        torch.testing.assert_close(got.saves["layers.3.resid"], want, atol=ATOL, rtol=ATOL)
 
 
 @pytest.mark.slow

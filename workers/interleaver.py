@@ -30,7 +30,7 @@ from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.holds import Held, Holdings, versions
 from interlace.workers.layout import BatchLayout
-from interlace.workers.ops import OpOrder, StepOp, applied_bit, apply as apply_op, selected_nothing
+from interlace.workers.ops import EPOCHS_KEPT, OpOrder, StepOp, applied_bit, apply as apply_op, selected_nothing
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, device_index, short_name
 from interlace.workers.reporter import Reporter
@@ -170,15 +170,16 @@ class Step:
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
     tapped: list[tuple[Point, StepOp]] = field(default_factory=list)  # saves that ran in graph taps
-    _rows: dict[bytes, Rows] = field(default_factory=dict)  # shared by the steps of an epoch
+    memo: dict = field(default_factory=dict)  # work shared by the steps of an epoch (Interleaver._memo)
 
     def rows_at(self, rows: np.ndarray, device) -> Rows:
         """``Rows.at``, once per epoch for each distinct selection: a sweep saving 4 layers sends
         one index to the GPU when its batch changes, not 4 at every step."""
+        known = self.memo.setdefault("rows", {})
         key = rows.tobytes()
-        if key not in self._rows:
-            self._rows[key] = Rows.at(rows, device)
-        return self._rows[key]
+        if key not in known:
+            known[key] = Rows.at(rows, device)
+        return known[key]
 
 
 class Interleaver:
@@ -217,14 +218,12 @@ class Interleaver:
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
         self._group_numbers: dict[str, int] = {}  # live program group key -> its number in slots.group
         self._group_counter = itertools.count()
-        # the previous step's layout and invokes while its epoch may go on, and InvokeState.failures then
-        self._last: tuple[BatchLayout, Scheduled, int] | None = None
+        # Decoding batches whose epoch may go on: each one's last layout and invokes, and
+        # InvokeState.failures then. Several under pipeline parallelism, where vLLM keeps
+        # pp_size + 1 batches in flight and their steps take turns (see ops.EPOCHS_KEPT).
+        self._decoding: list[tuple[BatchLayout, Scheduled, int]] = []
         self._epochs = itertools.count(1)
-        self._epoch_rows: tuple[int, dict[bytes, Rows]] = (0, {})  # device row indices of the current epoch
-        self._tapped_groups: tuple[list, list] | None = None  # the last step's tapped saves, grouped (taps.py)
-        self._epoch_groups: tuple[int, dict[str, Scheduled]] | None = None  # this epoch's program groups, last step's
-        self._epoch_ops: tuple[int, dict] | None = None  # this epoch's ops by hook, while every plan keeps its StepOp
-        self._tapped_saves: tuple[dict, list] | None = None  # the saves among the last ops seen (_saves_in)
+        self._memos: dict[int, dict] = {}  # epoch -> the work its steps share (_memo), the last few epochs'
 
     @property
     def active(self) -> bool:
@@ -252,7 +251,7 @@ class Interleaver:
         )
         self.invokes[req_id] = state
         self._untapped.add(req_id)  # until its ops are known to run in graph taps (runs_on_taps)
-        self._last = None  # a new invoke starts a new epoch
+        self._decoding.clear()  # a new invoke starts a new epoch
         try:
             if payload["ops_key"] not in self._ops:  # unpickled once per distinct list: shared by a sweep
                 ops = cloudpickle.loads(payload["ops"])
@@ -318,7 +317,7 @@ class Interleaver:
             self._submit_held(time.monotonic() - REPORT_HOLD_S)
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
         if finished:
-            self._last = None
+            self._decoding.clear()
         for state in finished:
             self._untapped.discard(state.req_id)
             self.hooks.release(owner=state.req_id)
@@ -419,17 +418,16 @@ class Interleaver:
 
     def begin_step(self, layout: BatchLayout) -> None:
         scheduled = self._schedule(layout)
-        groups, failed = self._program_groups(scheduled)
+        memo = self._memo(scheduled.epoch)
+        groups, failed = self._program_groups(scheduled, memo)
         if failed:  # prompts a program cannot see whole: no ops for them either
             scheduled = scheduled.pick(np.array([j for j, s in enumerate(scheduled.states) if s.error is None], np.int64))
-        ops = self._step_ops(scheduled, reuse=not failed)
-        if self._epoch_rows[0] != scheduled.epoch:
-            self._epoch_rows = (scheduled.epoch, {})
-        self.step = Step(layout, [], ops, _rows=self._epoch_rows[1])
+        ops = self._step_ops(scheduled, memo, reuse=not failed)
+        self.step = Step(layout, [], ops, memo=memo)
         if self.tap_step:  # every op runs inside the forward, from the taps' buffers: no hook applies one
-            self.taps.fill(ops)
+            self.taps.fill(ops, scheduled.epoch)
             self.step.ops = {}
-            self.step.tapped = self._saves_in(ops)
+            self.step.tapped = self._saves_in(ops, memo)
             self.tap_steps += 1
         carry_in, self.carry_in = self.carry_in, {}
         mail = carry_in.pop(MAILBOX, None)  # sent on earlier stages: a receiver may wait for it here
@@ -458,13 +456,23 @@ class Interleaver:
             self._after_resume(call, ctx)
             self._pump(self.step)
 
-    def _step_ops(self, scheduled: Scheduled, reuse: bool) -> dict[tuple[str, str], list[tuple[Point, StepOp]]]:
+    def _memo(self, epoch: int) -> dict:
+        """The work the steps of ``epoch`` share (device row indices, ops, program groups, tapped
+        saves), kept for the last few epochs: under pipeline parallelism the batches in flight
+        take turns, and each keeps its own epoch."""
+        memo = self._memos.get(epoch)
+        if memo is None:
+            memo = self._memos[epoch] = {}
+            if len(self._memos) > EPOCHS_KEPT:  # epochs only grow: the first key is the oldest
+                del self._memos[next(iter(self._memos))]
+        return memo
+
+    def _step_ops(self, scheduled: Scheduled, memo: dict, reuse: bool) -> dict[tuple[str, str], list[tuple[Point, StepOp]]]:
         """This step's ops by hook, as (point, StepOp) lists in each hook's order. The same dict
         for every step of an epoch while each plan keeps its StepOp for the epoch (ops on all or
         last tokens at every step: OpPlan.for_step), so a decoding step rebuilds nothing."""
-        cached = self._epoch_ops
-        if reuse and cached is not None and cached[0] == scheduled.epoch:
-            return cached[1]
+        if reuse and "ops" in memo:
+            return memo["ops"]
         ops: dict[tuple[str, str], list[tuple[Point, StepOp]]] = defaultdict(list)
         applied = self.slots.ops_applied
         kept = True
@@ -477,32 +485,40 @@ class Interleaver:
                     if not step_op.recorded:
                         applied[step_op.slots] |= step_op.bits
                         step_op.recorded = True
-        self._epoch_ops = (scheduled.epoch, ops) if reuse and kept else None
+        if reuse and kept:
+            memo["ops"] = ops
+        else:
+            memo.pop("ops", None)
         return ops
 
-    def _saves_in(self, ops: dict) -> list[tuple[Point, StepOp]]:
+    def _saves_in(self, ops: dict, memo: dict) -> list[tuple[Point, StepOp]]:
         """The saves among a step's ops (the same list while the ops are: see _step_ops)."""
-        last = self._tapped_saves
+        last = memo.get("saves")
         if last is None or last[0] is not ops:
-            last = self._tapped_saves = (ops, [entry for at_hook in ops.values() for entry in at_hook
-                                               if entry[1].op["op"] == "save"])
+            last = memo["saves"] = (ops, [entry for at_hook in ops.values() for entry in at_hook
+                                          if entry[1].op["op"] == "save"])
         return last[1]
 
     def _schedule(self, layout: BatchLayout) -> Scheduled:
         """This step's live invokes as arrays: the previous step's advanced by a token when the
         batch is the same decoding batch and no invoke failed since (most steps), else built
         afresh. Runs every step, so the usual case is a few array operations."""
-        last, self._last = self._last, None
-        if last is not None and last[2] == InvokeState.failures and _continues(last[0], layout):
-            scheduled = last[1].advanced()
-            self.slots.next_position[scheduled.slots] = scheduled.firsts + (scheduled.stops - scheduled.starts)
-            self._last = (layout, scheduled, last[2])  # still decoding, past any replay (positions only grow)
-            return scheduled
+        decoding = self._decoding
+        for i, (last_layout, last, failures) in enumerate(decoding):
+            if failures == InvokeState.failures and _continues(last_layout, layout):
+                scheduled = last.advanced()
+                self.slots.next_position[scheduled.slots] = scheduled.firsts + (scheduled.stops - scheduled.starts)
+                decoding[i] = (layout, scheduled, failures)  # still decoding, past any replay (positions only grow)
+                return scheduled
+        # A request is in one batch at a time: a batch that shares one with this step's has ended.
+        here = set(layout.req_ids)
+        decoding[:] = [entry for entry in decoding if here.isdisjoint(entry[0].req_ids)]
         scheduled = self._schedule_afresh(layout)
         scheduled.epoch = next(self._epochs)
         if scheduled.final.all() and (scheduled.firsts >= scheduled.replay_until).all():
-            # decoding, nothing replayed: the next step may continue the epoch
-            self._last = (layout, scheduled, InvokeState.failures)
+            # decoding, nothing replayed: the next step of this batch may continue the epoch
+            decoding.append((layout, scheduled, InvokeState.failures))
+            del decoding[:-EPOCHS_KEPT]
         return scheduled
 
     def _schedule_afresh(self, layout: BatchLayout) -> Scheduled:
@@ -541,7 +557,7 @@ class Interleaver:
         keep[failed] = False
         return scheduled.pick(np.flatnonzero(keep))
 
-    def _program_groups(self, scheduled: Scheduled) -> tuple[dict[str, Scheduled], bool]:
+    def _program_groups(self, scheduled: Scheduled, memo: dict) -> tuple[dict[str, Scheduled], bool]:
         """The invokes whose program runs this step, by group (one call each), in invoke order,
         and whether any failed (a prompt split by chunked prefill).
 
@@ -550,10 +566,8 @@ class Interleaver:
         """
         if not self._group_numbers:  # no live invoke has a program
             return {}, False
-        last = self._epoch_groups
-        if last is not None and last[0] == scheduled.epoch:  # the same groups, one step on
-            groups = {key: members.advanced() for key, members in last[1].items()}
-            self._epoch_groups = (scheduled.epoch, groups)
+        if "groups" in memo:  # the same groups as this epoch's last step, one step on
+            groups = memo["groups"] = {key: members.advanced() for key, members in memo["groups"].items()}
             return groups, False
         group = self.slots.group[scheduled.slots]
         runs = group >= 0
@@ -575,7 +589,7 @@ class Interleaver:
         picked = {scheduled.states[g[0]].group_key: scheduled.pick(g) for g in groups}
         failed = bool((runs & chunked).any())
         if not failed and not some_steps.any():  # the groups stay as they are for the epoch
-            self._epoch_groups = (scheduled.epoch, picked)
+            memo["groups"] = picked
         return picked, failed
 
     def end_step(self) -> dict[str, Carried]:
@@ -584,7 +598,7 @@ class Interleaver:
         if step is None:
             return {}
         if step.tapped:
-            self._take_tapped(step.tapped)
+            self._take_tapped(step.tapped, step.memo)
         if self.agree_max is not None and step.calls:
             self._agree_on_time(step.calls)
         for call, ctx in step.calls:
@@ -671,16 +685,16 @@ class Interleaver:
             for inv in step_op.invokes:
                 inv.fail(error_record(exc, where=f"op {op['op']} at {point}"))
 
-    def _take_tapped(self, tapped: list[tuple[Point, StepOp]]) -> None:
+    def _take_tapped(self, tapped: list[tuple[Point, StepOp]], memo: dict) -> None:
         """The saves that ran in taps: their rows, from the taps' buffers (read before the next
         forward). Saves of the same rows (a sweep saving 4 layers' last token) are one gather and
         one ledger entry per step: this runs on the engine thread between graph replays of about
         3 ms (the 1B shape on an H100), where each save's own gather and bookkeeping added up."""
-        last = self._tapped_groups
+        last = memo.get("tapped groups")
         if last is None or (last[0] is not tapped and (len(last[0]) != len(tapped)
                                                       or not all(a[1] is b[1] for a, b in zip(last[0], tapped)))):
-            self._tapped_groups = (tapped, self.taps.save_groups(tapped))
-        for group in self._tapped_groups[1]:
+            last = memo["tapped groups"] = (tapped, self.taps.save_groups(tapped))
+        for group in last[1]:
             try:
                 values = group.gather(self.taps.saved)
                 self._save_rows(group.invokes, group.slots, list(zip(group.names, values)), group.starts, group.stops,

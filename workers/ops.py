@@ -41,6 +41,11 @@ class StepOp:
     recorded: bool = False  # its bits are set already (a plan keeps its StepOp for an epoch's steps)
 
 
+# Epochs (see interleaver.Scheduled) whose per-epoch work is kept. Under pipeline parallelism vLLM
+# keeps pp_size + 1 batches in flight and their steps take turns on every stage: keeping only the
+# last epoch's would redo each batch's work at every step (bench/stage_probe.py, PP=2, 2026-11-27).
+EPOCHS_KEPT = 4
+
 TRACKED_OPS = 63  # an invoke's first ops, each with a bit of an int64 slot column (see applied_bit)
 
 
@@ -60,7 +65,8 @@ class OpPlan:
     _indices: dict[int, int] = field(default_factory=dict, repr=False)  # id(member) -> the op's index in its list
     _is_member: np.ndarray | None = field(default=None, init=False, repr=False)  # by slot; rebuilt on change
     _bits: np.ndarray | None = field(default=None, init=False, repr=False)  # by slot: applied_bit of the member
-    _epoch_step: tuple[int, StepOp | None] | None = field(default=None, init=False, repr=False)
+    # epoch -> its StepOp, for the last few epochs (under PP, vLLM's batches in flight take turns)
+    _epoch_steps: dict[int, StepOp | None] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def point(self):
@@ -70,28 +76,33 @@ class OpPlan:
         """``index``: where the op stands in the invoke's list (which bit records it)."""
         self.members.append(state)
         self._indices[id(state)] = index
-        self._is_member, self._epoch_step = None, None
+        self._is_member = None
+        self._epoch_steps.clear()
 
     def drop(self, gone: set[int]) -> None:
         """Forget members whose ``id()`` is in ``gone``."""
         self.members = [m for m in self.members if id(m) not in gone]
         self._indices = {id(m): self._indices[id(m)] for m in self.members}
-        self._is_member, self._epoch_step = None, None
+        self._is_member = None
+        self._epoch_steps.clear()
 
     def for_step(self, scheduled) -> StepOp | None:
         """This step's rows for the members among ``scheduled`` (the interleaver's Scheduled:
         this step's live invokes as arrays, in batch order), by array arithmetic; once per
         epoch (same invokes in the same rows) for an op that applies at every step."""
-        if self._epoch_step is not None and self._epoch_step[0] == scheduled.epoch:
-            return self._epoch_step[1]
+        kept = self._epoch_steps
+        if scheduled.epoch in kept:
+            return kept[scheduled.epoch]
         step_op = self._for_step(scheduled)
         if self.op.get("steps") is None and self.op.get("tokens", "all") in ("all", "last"):  # rows alone decide
-            self._epoch_step = (scheduled.epoch, step_op)
+            kept[scheduled.epoch] = step_op
+            if len(kept) > EPOCHS_KEPT:  # epochs only grow: the first key is the oldest
+                del kept[next(iter(kept))]
         return step_op
 
     def kept_for(self, epoch: int) -> bool:
         """Whether :meth:`for_step` keeps its StepOp for every step of ``epoch``."""
-        return self._epoch_step is not None and self._epoch_step[0] == epoch
+        return epoch in self._epoch_steps
 
     def _for_step(self, scheduled) -> StepOp | None:
         if not len(scheduled.slots):

@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import operator
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from interlace.workers.ops import EPOCHS_KEPT
 from interlace.workers.points import device_index
 from interlace.workers.sharding import ends_in_reduction
 
@@ -83,20 +85,17 @@ class Taps:
         self.max_tokens = max_tokens
         shape = (max_tokens, len(local), 5)  # rows first: a step copies only its own rows
         self.control = torch.zeros(shape, dtype=torch.float32, device=device)
-        self._host = torch.zeros(shape, dtype=torch.float32, pin_memory=device.type == "cuda")
-        self._clear = np.zeros(shape[1:], dtype=np.float32)
+        self._clear = np.zeros(shape[1:], dtype=np.float32)  # a row with nothing to do
         self._clear[:, _MUL] = 1.0
-        self._host.numpy()[:] = self._clear
-        self.control.copy_(self._host)
+        self._clear_rows(0, max_tokens)
         self.vectors = torch.zeros(max_vectors, hidden_size, dtype=dtype, device=device)  # row 0: zeros
         self.saved = torch.zeros(len(local), max_tokens, hidden_size, dtype=dtype, device=device)
         self.ran = torch.zeros(len(local), dtype=torch.int64, device=device)  # forwards that ran each tap's ops
         self.hidden_size = hidden_size
         self._on_gpu = device.type == "cuda"
         self._dirty = 0  # rows of self.control that may hold a step's settings
-        self._to_clear = 0  # rows of the host copy that hold them (cleared once copied)
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self._filled: list = []  # the StepOps the device rows were set from
+        self._staged: dict[int, _Staged] = {}  # epoch -> its control rows on the host, the last few epochs'
+        self._current: _Staged | None = None  # the staged rows self.control holds
         self._asked = [_IDLE] * len(local)  # what this step asks of each tap (a forward no graph captures reads it)
         self._vector_rows: dict[str, list[int]] = {}  # op key -> [row, holders]
         self._free_rows = list(range(max_vectors - 1, 0, -1))
@@ -227,61 +226,76 @@ class Taps:
 
     # --- on the host, per step ------------------------------------------------------------------
 
-    def fill(self, ops_by_hook: dict) -> None:
+    def fill(self, ops_by_hook: dict, epoch: int) -> None:
         """Set this step's control rows from its ops (the interleaver's per-hook lists of
-        (point, StepOp), each list in its invokes' order) and copy them to the device."""
+        (point, StepOp), each list in its invokes' order) and copy them to the device.
+
+        The rows are staged on the host once per epoch (the plans keep their StepOps for an epoch
+        of decoding) in a pinned buffer of their own, so a later step of the epoch only copies
+        them again, and only if another batch's rows were copied since (under pipeline
+        parallelism vLLM's batches in flight take turns). Nothing here waits for the GPU: torch
+        reuses a pinned block only once the copies from it have run."""
         step_ops = [step_op for at_hook in ops_by_hook.values() for _point, step_op in at_hook]
-        if self._dirty and len(step_ops) == len(self._filled) and all(map(operator.is_, step_ops, self._filled)):
-            return  # the last step's ops on the same rows (plans keep them for an epoch of decoding)
+        staged = self._staged.get(epoch)
+        if staged is None or len(step_ops) != len(staged.step_ops) or not all(map(operator.is_, step_ops, staged.step_ops)):
+            staged = self._staged[epoch] = self._stage(ops_by_hook, step_ops)
+            if len(self._staged) > EPOCHS_KEPT:  # epochs only grow: the first key is the oldest
+                del self._staged[next(iter(self._staged))]
+        self._asked = staged.asked
+        if staged is self._current:
+            return  # the device rows are these already (one batch decoding)
+        if staged.used:
+            self.control[: staged.used].copy_(staged.rows, non_blocking=True)
+        if self._dirty > staged.used:  # the last step's rows past this one's
+            self._clear_rows(staged.used, self._dirty)
+        self._dirty, self._current = staged.used, staged
+
+    def _stage(self, ops_by_hook: dict, step_ops: list) -> "_Staged":
         used = max((int(step_op.rows.max()) + 1 for step_op in step_ops if len(step_op.rows)), default=0)
-        host = self._writable_host()
-        # From here a failure leaves nothing behind: clear() clears and copies every row written.
-        copy, self._to_clear, self._dirty = max(self._dirty, used), used, max(self._dirty, used)
-        self._filled, self._asked = [], [_IDLE] * len(self._asked)
+        rows = torch.empty((used, *self._clear.shape), dtype=torch.float32, pin_memory=self._on_gpu)
+        host = rows.numpy()
+        host[:] = self._clear
+        asked = [_IDLE] * len(self._asked)
         for (module, _family), at_hook in ops_by_hook.items():
             index = self.index[module]
             for _point, step_op in at_hook:
-                rows, op = step_op.rows, step_op.op
+                rows_of, op = step_op.rows, step_op.op
                 kind = op["op"]
-                if len(rows):
-                    self._asked[index] = max(self._asked[index], _SAVES if kind == "save" else _EDITS)
+                if len(rows_of):
+                    asked[index] = max(asked[index], _SAVES if kind == "save" else _EDITS)
                 if kind == "save":  # after its own invoke's edit, if that came first (can_run)
-                    host[rows, index, _AFTER] = host[rows, index, _EDITED]
+                    host[rows_of, index, _AFTER] = host[rows_of, index, _EDITED]
                     continue
-                host[rows, index, _EDITED] = 1.0
+                host[rows_of, index, _EDITED] = 1.0
                 if kind == "scale":
-                    host[rows, index, _MUL] = float(op["value"])
+                    host[rows_of, index, _MUL] = float(op["value"])
                 elif kind in ("add", "replace"):
-                    host[rows, index, _ROW] = self._vector_rows[op["key"]][0]
-                host[rows, index, _SETS] = 1.0 if kind in ("replace", "zero") else 0.0
-        self._copy(copy)  # past the last step's rows and this one's, the device rows are clear already
-        self._dirty, self._filled = used, step_ops
+                    host[rows_of, index, _ROW] = self._vector_rows[op["key"]][0]
+                host[rows_of, index, _SETS] = 1.0 if kind in ("replace", "zero") else 0.0
+        return _Staged(step_ops, rows, used, asked)
 
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
-        self._filled, self._asked = [], [_IDLE] * len(self._asked)
+        self._asked, self._current = [_IDLE] * len(self._asked), None
         if self._dirty:
-            self._writable_host()
-            self._copy(self._dirty)
+            self._clear_rows(0, self._dirty)
             self._dirty = 0
 
-    def _writable_host(self) -> np.ndarray:
-        """The host rows, clear, once the last copy from them has run (a clear() copy may still be
-        queued behind a forward: writing before it ran would hand this step's rows to that one)."""
-        host = self._host.numpy()
-        if self._copied is not None:
-            self._copied.synchronize()  # long done: a whole step ran since
-        if self._to_clear:
-            host[: self._to_clear] = self._clear
-            self._to_clear = 0
-        return host
+    def _clear_rows(self, start: int, stop: int) -> None:
+        """Clear control rows on the device, in stream order (no copy from the host to wait for)."""
+        rows = self.control[start:stop]
+        rows.zero_()
+        rows[:, :, _MUL] = 1.0
 
-    def _copy(self, rows: int) -> None:
-        if not rows:
-            return
-        self.control[:rows].copy_(self._host[:rows], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+
+@dataclass
+class _Staged:
+    """One epoch's control rows on the host (pinned on a GPU), as :meth:`Taps.fill` set them."""
+
+    step_ops: list  # the StepOps they were set from
+    rows: torch.Tensor  # [used, taps, 5]
+    used: int  # rows 0..used-1 of the step's flat batch (every later row is clear)
+    asked: list[int]  # what the step asks of each tap
 
 
 class TappedSaves:
