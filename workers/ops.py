@@ -44,7 +44,8 @@ class StepOp:
 # Epochs (see interleaver.Scheduled) whose per-epoch work is kept. Under pipeline parallelism vLLM
 # keeps pp_size + 1 batches in flight and their steps take turns on every stage: keeping only the
 # last epoch's would redo each batch's work at every step (bench/stage_probe.py, PP=2, 2026-11-27).
-EPOCHS_KEPT = 4
+# 8 covers the batches of PP up to 4 with room for the prefill steps between (each its own epoch).
+EPOCHS_KEPT = 8
 
 TRACKED_OPS = 63  # an invoke's first ops, each with a bit of an int64 slot column (see applied_bit)
 
