@@ -251,7 +251,7 @@ class Interleaver:
         )
         self.invokes[req_id] = state
         self._untapped.add(req_id)  # until its ops are known to run in graph taps (runs_on_taps)
-        self._decoding.clear()  # a new invoke starts a new epoch
+        self._end_epochs()  # a new invoke starts a new epoch
         try:
             if payload["ops_key"] not in self._ops:  # unpickled once per distinct list: shared by a sweep
                 ops = cloudpickle.loads(payload["ops"])
@@ -317,7 +317,7 @@ class Interleaver:
             self._submit_held(time.monotonic() - REPORT_HOLD_S)
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
         if finished:
-            self._decoding.clear()
+            self._end_epochs()
         for state in finished:
             self._untapped.discard(state.req_id)
             self.hooks.release(owner=state.req_id)
@@ -455,6 +455,14 @@ class Interleaver:
             call.start()
             self._after_resume(call, ctx)
             self._pump(self.step)
+
+    def _end_epochs(self) -> None:
+        """An invoke came or went: no batch goes on in its epoch. Forget their work, and with it
+        the invokes it refers to (a finished invoke's state is not kept alive by a cache)."""
+        self._decoding.clear()
+        self._memos.clear()
+        if self.taps is not None:
+            self.taps.forget_epochs()
 
     def _memo(self, epoch: int) -> dict:
         """The work the steps of ``epoch`` share (device row indices, ops, program groups, tapped

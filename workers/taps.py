@@ -274,6 +274,10 @@ class Taps:
                 host[rows_of, index, _SETS] = 1.0 if kind in ("replace", "zero") else 0.0
         return _Staged(step_ops, rows, used, asked)
 
+    def forget_epochs(self) -> None:
+        """No epoch staged so far will come again (see Interleaver._end_epochs)."""
+        self._staged.clear()
+
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
         self._asked, self._current = [_IDLE] * len(self._asked), None
