@@ -224,6 +224,7 @@ def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
     that asks only saves records the stream as the whole path would; an edit edits its rows.
     Batches that take turns (pipeline parallelism) each get their own rows back."""
     import itertools
+    from collections import defaultdict
 
     import numpy as np
 
@@ -235,14 +236,14 @@ def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
                             max_vectors=2, dtype=torch.float32, device=device)
     hidden, residual = torch.randn(4, HIDDEN, device=device), torch.randn(4, HIDDEN, device=device)
 
-    epochs = itertools.count(1)
+    epochs, memos = itertools.count(1), defaultdict(dict)  # the interleaver's memo per epoch
 
     def at_layer_1(kind: str, rows: list[int], value=None) -> dict:  # one op, as the interleaver hands it over
         op = SimpleNamespace(rows=np.array(rows, dtype=np.int64), op={"op": kind, "value": value, "key": kind})
         return {("model.layers.1", "resid"): [(None, op)]}
 
     def step(kind: str, rows: list[int], value=None, ops=None, epoch=None):
-        taps.fill(ops or at_layer_1(kind, rows, value), epoch or next(epochs))
+        taps.fill(ops or at_layer_1(kind, rows, value), memos[epoch or next(epochs)])
         return taps.run(hidden, residual, 0), taps.run(hidden, residual, 1)
 
     (out_hidden, out_residual), _ = step("save", [])  # no rows this step: nothing asked

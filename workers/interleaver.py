@@ -425,7 +425,7 @@ class Interleaver:
         ops = self._step_ops(scheduled, memo, reuse=not failed)
         self.step = Step(layout, [], ops, memo=memo)
         if self.tap_step:  # every op runs inside the forward, from the taps' buffers: no hook applies one
-            self.taps.fill(ops, scheduled.epoch)
+            self.taps.fill(ops, memo)
             self.step.ops = {}
             self.step.tapped = self._saves_in(ops, memo)
             self.tap_steps += 1
@@ -461,12 +461,10 @@ class Interleaver:
         the invokes it refers to (a finished invoke's state is not kept alive by a cache)."""
         self._decoding.clear()
         self._memos.clear()
-        if self.taps is not None:
-            self.taps.forget_epochs()
 
     def _memo(self, epoch: int) -> dict:
         """The work the steps of ``epoch`` share (device row indices, ops, program groups, tapped
-        saves), kept for the last few epochs: under pipeline parallelism the batches in flight
+        saves, the taps' staged control rows), kept for the last few epochs: under pipeline parallelism the batches in flight
         take turns, and each keeps its own epoch."""
         memo = self._memos.get(epoch)
         if memo is None:

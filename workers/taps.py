@@ -43,7 +43,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from interlace.workers.ops import EPOCHS_KEPT
 from interlace.workers.points import device_index
 from interlace.workers.sharding import ends_in_reduction
 
@@ -94,7 +93,6 @@ class Taps:
         self.hidden_size = hidden_size
         self._on_gpu = device.type == "cuda"
         self._dirty = 0  # rows of self.control that may hold a step's settings
-        self._staged: dict[int, _Staged] = {}  # epoch -> its control rows on the host, the last few epochs'
         self._current: _Staged | None = None  # the staged rows self.control holds
         self._asked = [_IDLE] * len(local)  # what this step asks of each tap (a forward no graph captures reads it)
         self._vector_rows: dict[str, list[int]] = {}  # op key -> [row, holders]
@@ -226,21 +224,20 @@ class Taps:
 
     # --- on the host, per step ------------------------------------------------------------------
 
-    def fill(self, ops_by_hook: dict, epoch: int) -> None:
+    def fill(self, ops_by_hook: dict, memo: dict) -> None:
         """Set this step's control rows from its ops (the interleaver's per-hook lists of
         (point, StepOp), each list in its invokes' order) and copy them to the device.
 
-        The rows are staged on the host once per epoch (the plans keep their StepOps for an epoch
-        of decoding) in a pinned buffer of their own, so a later step of the epoch only copies
+        The rows are staged on the host once per epoch, kept in the epoch's ``memo`` (the
+        interleaver's, as the plans keep their StepOps for an epoch of decoding), in a pinned
+        buffer of their own, so a later step of the epoch only copies
         them again, and only if another batch's rows were copied since (under pipeline
         parallelism vLLM's batches in flight take turns). Nothing here waits for the GPU: torch
         reuses a pinned block only once the copies from it have run."""
         step_ops = [step_op for at_hook in ops_by_hook.values() for _point, step_op in at_hook]
-        staged = self._staged.get(epoch)
+        staged = memo.get("tap rows")
         if staged is None or len(step_ops) != len(staged.step_ops) or not all(map(operator.is_, step_ops, staged.step_ops)):
-            staged = self._staged[epoch] = self._stage(ops_by_hook, step_ops)
-            if len(self._staged) > EPOCHS_KEPT:  # epochs only grow: the first key is the oldest
-                del self._staged[next(iter(self._staged))]
+            staged = memo["tap rows"] = self._stage(ops_by_hook, step_ops)
         self._asked = staged.asked
         if staged is self._current:
             return  # the device rows are these already (one batch decoding)
@@ -273,10 +270,6 @@ class Taps:
                     host[rows_of, index, _ROW] = self._vector_rows[op["key"]][0]
                 host[rows_of, index, _SETS] = 1.0 if kind in ("replace", "zero") else 0.0
         return _Staged(step_ops, rows, used, asked)
-
-    def forget_epochs(self) -> None:
-        """No epoch staged so far will come again (see Interleaver._end_epochs)."""
-        self._staged.clear()
 
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
