@@ -85,3 +85,77 @@ def test_a_program_that_swallows_every_interruption_inside_a_point_is_stopped_at
     call = ProgramCall(program, _View(), budget_s=0.005, limit_s=0.005)
     call.start()
     assert call.done and "time limit" in call.error["message"]
+
+
+def _stage_program(points: list[Point]):
+    """A program that reads ``points`` in order, as ProgramView does (an access per point)."""
+    def program(view):
+        call = view.call
+        return [call.access(lambda p=p: call.wait_at(p), p) for p in points]
+    return program
+
+
+class _StageView(_View):
+    call: ProgramCall
+
+
+def _call_on_stage(points, replay=None, replay_points=None) -> ProgramCall:
+    view = _StageView()
+    call = ProgramCall(_stage_program(points), view, budget_s=10, limit_s=10, replay=replay,
+                       replay_points=replay_points, keep_log=True, local_limits=False)
+    view.call = call
+    return call
+
+
+def test_a_stage_carries_every_earlier_stages_accesses_on_to_the_next():
+    """Under pipeline parallelism each stage replays the accesses made before it and logs its
+    own for the next: the log it carries on holds all of them, so a third stage replays the
+    first stage's values in their places (not the second stage's)."""
+    first, second, third = Point("model.layers.0", "resid"), Point("model.layers.1", "resid"), Point("model.layers.2", "resid")
+    call = _call_on_stage([first, second, third], replay=["from stage 0"], replay_points=[first])
+    call.start()
+    assert call.waiting_for == second
+    call.resume("from stage 1")
+    assert call.waiting_for == third
+    assert call.log == ["from stage 0", "from stage 1"] and call.log_points == [first, second]
+    later = _call_on_stage([first, second, third], replay=call.log, replay_points=call.log_points)
+    later.start()
+    assert later.waiting_for == third and later.error is None
+
+
+def test_a_stage_whose_program_takes_another_path_fails_instead_of_reading_another_access():
+    """A replayed value belongs to the access that made it: a program that asks for another one
+    on this stage (it consulted something stage-local) fails, even if it catches the error."""
+    first, other = Point("model.layers.0", "resid"), Point("model.layers.1", "resid")
+
+    def swallowing(view):
+        try:
+            view.call.access(lambda: view.call.wait_at(other), other)
+        except BaseException:  # noqa: BLE001 - a program that catches everything
+            pass
+
+    view = _StageView()
+    call = ProgramCall(swallowing, view, budget_s=10, limit_s=10, replay=["made at layers.0"], replay_points=[first],
+                       keep_log=True, local_limits=False)
+    view.call = call
+    call.start()
+    assert call.done and call.error["type"] == "RanksDiverged"
+    assert "access #1 was layers.0.resid there and layers.1.resid here" in call.error["message"]
+
+
+def test_a_stopped_program_fails_with_the_groups_record_even_if_it_swallows_the_stop():
+    def program(view):
+        while True:
+            try:
+                view.call.wait_at(Point("model.layers.1", "resid"))
+            except BaseException:  # noqa: BLE001
+                pass
+
+    view = _StageView()
+    call = ProgramCall(program, view, budget_s=10, limit_s=10, local_limits=False)
+    view.call = call
+    call.start()
+    call.stop({"type": "RanksDiverged", "message": "went apart"})
+    assert call.done and call.error["message"] == "went apart"
+    call.resume(None)  # nothing runs any more
+    assert call.done

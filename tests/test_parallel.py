@@ -272,3 +272,82 @@ def test_time_limits_are_decided_alike_on_every_rank(llama, oracles):
             outcomes.add("timed out")
     assert outcomes == {"finished", "timed out"}
     _next_trace_is_exact(llama, oracle)
+
+
+@pytest.mark.parametrize("how", ["gathers alone", "writes alone", "fails alone", "reads a split parameter alone",
+                                 "finishes early"])
+def test_a_program_taking_another_path_on_one_rank_fails_on_every_rank_alone(llama, oracles, layout, how):
+    """Every TP rank runs the program on the same values, but a program may consult something
+    rank-local (here the rank itself; in the wild the clock, a file, an error on one GPU). On
+    TP rank 1 these programs read a value TP gathers, write where rank 0 only reads, fail,
+    read a split parameter, or stop early, before every rank reads values TP gathers. Each
+    used to hang the group at its next gather or leave the ranks computing from different
+    values; now it fails with a clear error on every rank, its trace's other invoke is exact,
+    and the engine serves on. With one rank per stage nothing differs and it runs."""
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def program(m):
+        from vllm.distributed.parallel_state import get_tp_group
+
+        odd = get_tp_group().rank_in_group == 1
+        if how == "gathers alone" and odd:
+            m.layers[1].self_attn.qkv_proj.output  # noqa: B018 - the read is the point
+        if how == "writes alone":
+            x = m.layers[1].mlp.output
+            if odd:
+                m.layers[1].mlp.output = x * 2
+        if how == "fails alone" and odd:
+            raise ValueError("only on rank 1")
+        if how == "reads a split parameter alone" and odd:
+            m.embed_tokens.weight  # noqa: B018
+        if how == "finishes early" and odd:
+            return
+        m.save("down_in", m.layers[2].mlp.down_proj.input)  # gathered under TP
+        m.save("h", m.layers[3].resid)
+
+    def keep(m):
+        m.save("h", m.layers[3].resid)
+
+    alone = llama.generate(ids, program=keep, max_tokens=3, ignore_eos=True)
+    assert alone.token_ids == oracle.greedy(ids, 3)
+    if layout[0] > 1:
+        with pytest.raises(interlace.InterventionError, match="different paths on the tensor-parallel ranks") as err:
+            with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+                tr.invoke(ids, program=keep)
+                tr.invoke(ids, program=program)
+        assert err.value.invoke == 1 and err.value.record["where"].startswith("step 0")
+        other = err.value.partial[0]
+    else:
+        with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+            tr.invoke(ids, program=keep)
+            tr.invoke(ids, program=program)
+        other = tr.result[0]
+        torch.testing.assert_close(tr.result[1].saves["h"], alone.saves["h"], atol=ATOL, rtol=ATOL)
+    assert other.token_ids == alone.token_ids
+    torch.testing.assert_close(other.saves["h"], alone.saves["h"], atol=ATOL, rtol=ATOL)
+    _next_trace_is_exact(llama, oracle)
+
+
+def test_a_program_taking_another_path_on_a_later_stage_fails_instead_of_reading_another_value(llama, oracles, layout):
+    """A later pipeline stage replays the values earlier stages' accesses returned, in order. A
+    program that asks for another access there (here it reads layer 1 on stage 1 where stage 0
+    read layer 0) used to get layer 0's value as layer 1's, silently; now it fails, naming
+    both accesses. With one stage nothing differs and it runs."""
+    oracle = oracles["tiny-llama"]
+    ids = oracle.ids(PROMPT)
+
+    def program(m):
+        from vllm.distributed.parallel_state import get_pp_group
+
+        first_stage = get_pp_group().rank_in_group == 0
+        m.save("early", m.layers[0].resid if first_stage else m.layers[1].resid)
+        m.save("late", m.layers[3].resid)
+
+    if layout[1] > 1:
+        with pytest.raises(interlace.InterventionError, match="access #1 was layers.0.resid there and layers.1.resid here"):
+            llama.generate(ids, program=program, max_tokens=2)
+    else:
+        saves = llama.generate(ids, program=program, max_tokens=1).saves
+        torch.testing.assert_close(saves["early"], oracle.run(ids)["resid"][0], atol=ATOL, rtol=ATOL)
+    _next_trace_is_exact(llama, oracle)

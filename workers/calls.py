@@ -29,6 +29,13 @@ reduce over the TP group's CPU group per step), a program past its limit is stop
 budget spent in an earlier step stops it at its start, identically on every rank. Within a step
 only the last resort acts alone, and it ends the process (every rank's program is past its
 deadline by then; the group dies together instead of hanging).
+
+The same holds for the program's own path: the ranks run the same bytes on the same values, but
+a program can still consult something rank-local (the clock, the process id, a file, a device
+error on one GPU). The interleaver compares each call's next move across the group before it
+enters any collective for it (Interleaver._agree_on_paths), and a call that went different
+ways is stopped on every rank (:meth:`ProgramCall.stop`). Under pipeline parallelism a later stage replays an
+earlier stage's accesses; each replayed access is checked against the one logged there.
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ class ProgramError(BaseException):
 
 GRACE_S = 3.0  # past its deadline, a program that is still running ends its worker process
 EXIT_CODE = 75  # the worker's exit status then (EX_TEMPFAIL), for whoever reads the process table
+
+
+class RanksDiverged(ProgramError):
+    """A program took different paths on the ranks that must run it alike."""
 
 
 class Suspended(ProgramError):
@@ -80,7 +91,7 @@ class ProgramCall:
     """One program run over one step; the engine drives it with :meth:`start` and :meth:`resume`."""
 
     def __init__(self, program: Callable, view, budget_s: float, limit_s: float, replay: list | None = None,
-                 keep_log: bool = False, local_limits: bool = True):
+                 keep_log: bool = False, local_limits: bool = True, replay_points: list | None = None):
         self.program = program
         # False under TP > 1: time-outs are decided at points every rank agrees on (module docstring)
         self.local_limits = local_limits
@@ -90,14 +101,19 @@ class ProgramCall:
         # Pipeline parallelism (see pipeline.py): the values earlier stages' accesses returned, and
         # whether to log this stage's for the next one.
         self.replay = replay or []
+        self.replay_points = replay_points or []  # which access made each value there
         self.replaying = replay is not None  # even with no values: the code before the first access ran there
-        self.log: list | None = [] if keep_log else None
+        # What a later stage replays: every access so far, this stage's and the earlier ones'
+        self.log: list | None = list(self.replay) if keep_log else None
+        self.log_points: list = list(self.replay_points)
         self._accesses = 0
         self.used_s = 0.0  # time the program ran in this call (engine time not counted)
         self.agreed_s = 0.0  # under TP: the most any rank of the group counted (see Interleaver._agree_on_time)
         self.waiting_for: Point | _Finished | None = None  # what the program needs next
         self.error: dict | None = None
         self.timed_out = False  # past its budget (set by the watchdog, or by the engine between switches)
+        self.stopped = False  # stopped by the engine with its own record (see stop)
+        self.writes = 0  # writes to the model so far (the interleaver's count, compared across TP ranks)
         self._greenlet = greenlet.greenlet(self._run)
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
 
@@ -154,17 +170,29 @@ class ProgramCall:
         if not (self.done and self.timed_out):
             self._time_out()
 
-    def _time_out(self) -> None:
-        """Stop a program past its budget: its frames unwind now, its invokes fail."""
-        self.timed_out = True
+    def stop(self, record: dict) -> None:
+        """End the program now, failing its invokes with ``record`` unless it failed already (the
+        TP group agreed it must end, e.g. its ranks went different ways)."""
+        self.stopped = True
+        self._unwind("stopped")
+        self.error = self.error or record
+        self.waiting_for = FINISHED
+
+    def _unwind(self, why: str) -> None:
+        """Raise :class:`ProgramError` at the point the program waits at, so its frames unwind."""
         if self._greenlet:  # started and not finished: waiting at a point
             WATCHDOG.enter(self, time.monotonic())  # a program that swallows the stop is interrupted
             try:
-                self._greenlet.throw(ProgramError("time limit"))
+                self._greenlet.throw(ProgramError(why))
             except ProgramError:
                 pass
             finally:
                 WATCHDOG.leave(self)
+
+    def _time_out(self) -> None:
+        """Stop a program past its budget: its frames unwind now, its invokes fail."""
+        self.timed_out = True
+        self._unwind("time limit")
         self.error = self.error or error_record(
             TimeoutError(f"the program ran past the trace's time limit of {self.limit_s:g}s and was stopped"),
             where=str(self.waiting_for) if isinstance(self.waiting_for, Point) else self.view.where(),
@@ -173,16 +201,28 @@ class ProgramCall:
 
     # --- program side --------------------------------------------------------------------------
 
-    def access(self, live: Callable[[], Any]) -> Any:
-        """One access of the program (a point or a recv): replayed from the carry while earlier
-        pipeline stages already made it, else ``live()``; logged when a later stage needs it."""
+    def access(self, live: Callable[[], Any], what: Any = None) -> Any:
+        """One access of the program (``what``: a point, parameter or recv): replayed from the
+        carry while earlier pipeline stages already made it, else ``live()``; logged when a later
+        stage needs it."""
         index, self._accesses = self._accesses, self._accesses + 1
         if index < len(self.replay):
+            made = self.replay_points[index] if index < len(self.replay_points) else what
+            if made != what:  # the value replayed is another access's: using it would be silently wrong
+                diverged = RanksDiverged(
+                    f"the program took another path on this pipeline stage than on the stages before it: "
+                    f"its access #{index + 1} was {made} there and {what} here. Every stage runs the program "
+                    "and must make the same accesses; something stage-local (the clock, the process id or "
+                    "rank, a file, randomness seeded apart) decided otherwise"
+                )
+                self.error = self.error or error_record(diverged, where=self.view.where())  # even if caught
+                raise diverged
             return self.replay[index]
         self.replaying = False
         value = live()
         if self.log is not None:
             self.log.append(_snapshot(value))
+            self.log_points.append(what)
         return value
 
     def wait_at(self, point: Point) -> Any:
@@ -202,7 +242,7 @@ class ProgramCall:
         except Suspended:
             pass
         except BaseException as exc:  # noqa: BLE001 - every user failure becomes a record
-            if not self.timed_out:
+            if not (self.timed_out or self.stopped):
                 self.error = error_record(exc, where=self.view.where())
         finally:
             WATCHDOG.leave(self)

@@ -17,6 +17,7 @@ import functools
 import itertools
 import math
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 import logging
@@ -26,7 +27,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-from interlace.workers.calls import ProgramCall, error_record
+from interlace.workers.calls import ProgramCall, RanksDiverged, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.holds import Held, Holdings, versions
 from interlace.workers.layout import BatchLayout
@@ -185,7 +186,8 @@ class Step:
 class Interleaver:
     vocab_size = 1 << 62  # set by the runner adapter: forced samples must lie in [0, vocab_size)
     # Set by the runner adapter under TP > 1: the element-wise max of an array over the TP group.
-    # Time-outs are then decided where every rank agrees (see calls.py and _agree_on_time).
+    # Programs' paths and time-outs are then decided where every rank agrees (see calls.py,
+    # _agree_on_paths and _agree_on_time).
     agree_max: Callable[[np.ndarray], np.ndarray] | None = None
 
     def __init__(self, model: torch.nn.Module, samples_slot, rank_info: dict, all_modules: list[str],
@@ -447,6 +449,7 @@ class Interleaver:
             view = ProgramView(ctx)
             call = ProgramCall(members.states[0].program, view, budget_s=ctx.timeout_s,
                                limit_s=members.states[0].timeout_s, replay=carried.values if carried is not None else None,
+                               replay_points=carried.points if carried is not None else None,
                                keep_log=not self.stages.last, local_limits=self.agree_max is None)
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
@@ -455,6 +458,7 @@ class Interleaver:
             call.start()
             self._after_resume(call, ctx)
             self._pump(self.step)
+        self._settle(self.step)
 
     def _end_epochs(self) -> None:
         """An invoke came or went: no batch goes on in its epoch. Forget their work, and with it
@@ -613,7 +617,7 @@ class Interleaver:
             if not call.done and self._goes_on_later(call):
                 log = call.log
                 call.suspend()
-                step.carry[ctx.key] = Carried("suspended", log)
+                step.carry[ctx.key] = Carried("suspended", log, points=call.log_points)
             else:
                 if not call.done and call.waiting_for.module == MAILBOX:
                     call.cancel(self._unsent(ctx, call.waiting_for.kind))
@@ -671,6 +675,7 @@ class Interleaver:
                         delivered.append((call, ctx))
                         self._deliver(call, ctx, call.waiting_for, access)
                         self._pump(step)
+                self._settle(step)
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
             for call, ctx in delivered:
                 ctx.holds.close(None if call.done else call.waiting_for, call.done)
@@ -734,7 +739,8 @@ class Interleaver:
         if ctx.holds.late:
             self._refuse_late_edits(call, ctx)
         point = call.waiting_for
-        if not call.done and point.module != MAILBOX and self.stages.where(point) == HERE:
+        if not call.done and point.module != MAILBOX and not point.kind.startswith("param:") \
+                and self.stages.where(point) == HERE:
             self.hooks.want(point, owner=ctx.invokes[0].req_id)
 
     def _write_back(self, call: ProgramCall, ctx: CallContext) -> None:
@@ -748,11 +754,13 @@ class Interleaver:
                     if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
                         held.access.write(held.point, held.rows, _local(held.split, held.value))
                         held.versions = now
+                        call.writes += 1
             write = call.view._take_write()
             if write is not None:
                 point, value = write
                 held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
                 held.access.write(point, held.rows, _local(held.split, value))
+                call.writes += 1
         except Exception as exc:  # noqa: BLE001
             call.error = call.error or error_record(exc, where=f"writing {call.view.where()}")
 
@@ -771,6 +779,63 @@ class Interleaver:
         slots = ctx.members.slots
         used = call.used_s if call.local_limits else call.agreed_s  # under TP, the time every rank counts
         self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - used)
+
+    def _settle(self, step: Step) -> None:
+        """Under TP, after programs ran: agree on where each call goes next, then serve the
+        parameter reads every rank agrees on (each a gather), until none is left."""
+        if self.agree_max is None or not step.calls:
+            return
+        while True:
+            self._agree_on_paths(step)
+            reading = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.kind.startswith("param:")
+                       and self.tree.modules.get(c.waiting_for.module) is not None]
+            if not reading:
+                return
+            for call, ctx in reading:
+                self._deliver_parameter(call, ctx)
+                self._pump(step)
+
+    def _agree_on_paths(self, step: Step) -> None:
+        """Stop, on every rank, each call whose ranks went different ways.
+
+        The TP ranks run each program on the same values, so they make the same accesses, unless
+        the program consults something rank-local (the clock, the process id, a file, a device
+        error on one GPU). A rank whose program then reads a split value would enter a gather the
+        others never join, and the group would hang; one that writes where the others do not
+        would leave the ranks computing from different values, silently. So each time programs
+        ran, before anything is gathered for them, the ranks compare every call's state (what
+        it waits for next, whether it failed, how many writes it made): one all-reduce of a few
+        numbers per call over the group's CPU group. The calls are the same, in the same order,
+        on every rank, and a rank runs a round exactly where the others do: after starting the
+        step's programs, and at each hook where calls that all ranks agreed wait there ran.
+        Values a program computes without acting on them differently (e.g. noise added to a
+        write) are not compared."""
+        calls = step.calls
+        codes = np.fromiter((_path_code(call) for call, _ in calls), np.float64, len(calls))
+        both = self.agree_max(np.concatenate([codes, -codes]))
+        high, low = both[: len(calls)], -both[len(calls) :]
+        for (call, _ctx), hi, lo in zip(calls, high.tolist(), low.tolist()):
+            if hi != lo:
+                message = (
+                    f"the program took different paths on the tensor-parallel ranks (on this rank it "
+                    f"{_path_words(call)}, on another not). "
+                    "Every rank runs the program on the same values and must read, write and fail alike; "
+                    "something rank-local (the clock, the process id or rank, a file, randomness seeded "
+                    "apart, an error on one GPU only) decided otherwise. It was stopped on every rank"
+                )
+                call.stop(error_record(RanksDiverged(message), where=call.view.where()))
+                call.writes = -1  # stopped alike everywhere: the same code from now on
+
+    def _deliver_parameter(self, call: ProgramCall, ctx: CallContext) -> None:
+        """Hand a program a parameter every TP rank agreed it reads (gathered when split)."""
+        point = call.waiting_for
+        try:
+            value = ReadOnlyTensor.of(self.tp.full_parameter(point.module, point.kind[len("param:"):]))
+        except Exception as exc:  # noqa: BLE001
+            call.cancel(f"cannot read {short_name(point.module)}.{point.kind[len('param:'):]}: {exc}")
+            return
+        call.resume(value)
+        self._after_resume(call, ctx)
 
     def _agree_on_time(self, calls: list[tuple[ProgramCall, CallContext]]) -> None:
         """Under TP, decide the step's time-outs the same way on every rank: one all-reduce (max)
@@ -891,6 +956,8 @@ class Interleaver:
         """A parameter as the unsharded model has it (gathered across TP ranks when split).
         Under PP it is an access like a point's: read on the stage that owns the module."""
         if self.tree.modules.get(module) is not None:  # read-only: every request shares the weights
+            if self.agree_max is not None and self.tp.gathers_parameter(module, name):
+                return call.wait_at(Point(module, f"param:{name}"))  # a gather: once the ranks agree (_settle)
             return ReadOnlyTensor.of(self.tp.full_parameter(module, name))
         return call.wait_at(Point(module, f"param:{name}"))  # a later stage reads it
 
@@ -1025,6 +1092,23 @@ def _human_bytes(n: int) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.4g} {unit}"
         n /= 1024
+
+
+def _path_code(call: ProgramCall) -> float:
+    """A call's state as one number that ranks taking the same path compute alike: what it waits
+    for next (or that it is done), whether it failed, how many writes it made (float64 holds it
+    exactly: under 2**46)."""
+    if call.writes < 0:  # stopped for taking different paths: no longer compared
+        return -1.0
+    point = call.waiting_for
+    where = 0 if call.done else 1 + zlib.crc32(f"{point.module}\0{point.kind}".encode())  # stable across processes
+    return float((((where << 1) | (call.error is not None)) << 12) | (call.writes & 0xFFF))
+
+
+def _path_words(call: ProgramCall) -> str:
+    state = "finished" if call.done else f"waits for {call.waiting_for}"
+    failed = " after failing" if call.error is not None else ""
+    return f"{state}{failed} with {call.writes} writes"
 
 
 def _gather(split, value: Any) -> Any:

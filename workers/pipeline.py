@@ -65,6 +65,7 @@ class Carried:
     status: str  # "suspended" (goes on on a later stage), "finished" or "failed"
     values: list = field(default_factory=list)  # what each access returned, in order
     error: dict | None = None
+    points: list = field(default_factory=list)  # which access each value is (checked on replay)
 
 
 def pack(carry: dict[str, Carried], tp_size: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -81,7 +82,7 @@ def pack(carry: dict[str, Carried], tp_size: int, device: torch.device) -> dict[
             return tuple(lift(v) for v in value)
         return value
 
-    described = {key: Carried(c.status, [lift(v) for v in c.values], c.error) for key, c in carry.items()}
+    described = {key: Carried(c.status, [lift(v) for v in c.values], c.error, c.points) for key, c in carry.items()}
     chunks, offsets, offset = [], [], 0
     for t in tensors:
         raw = t.reshape(-1).view(torch.uint8)
@@ -116,7 +117,7 @@ def unpack(entries: dict[str, torch.Tensor]) -> dict[str, Carried]:
             return tuple(lower(v) for v in value)
         return value
 
-    return {key: Carried(c.status, [lower(v) for v in c.values], c.error) for key, c in described.items()}
+    return {key: Carried(c.status, [lower(v) for v in c.values], c.error, c.points) for key, c in described.items()}
 
 
 def take_carry(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

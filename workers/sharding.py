@@ -120,6 +120,12 @@ class TensorParallelLayout:
         """Classify values again on next use (a module was changed after start-up)."""
         self._cache.clear()
 
+    def gathers_parameter(self, module: str, name: str) -> bool:
+        """Whether reading parameter ``name`` of ``module`` whole enters a TP collective."""
+        param = getattr(self.modules[module], name, None)
+        return (self.tp_size > 1 and isinstance(param, torch.Tensor) and param.numel() > 0
+                and _sharded_class(self.modules[module]))
+
     def full_parameter(self, module: str, name: str) -> torch.Tensor:
         """Parameter ``name`` of ``module`` as the unsharded model has it (a copy when gathered)."""
         mod = self.modules[module]

@@ -209,8 +209,8 @@ class ProgramView:
         the values replayed would be lost, and are refused (see holds.py)."""
         call = self._call
         if not call.replaying:
-            return call.access(live)
-        value = call.access(live)
+            return call.access(live, what)
+        value = call.access(live, what)
         if not call.replaying:
             self._ctx.holds.replay_ended(what)
         return value
