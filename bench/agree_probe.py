@@ -1,10 +1,10 @@
 """What one agreement round costs: the all-reduce the TP ranks run on the host to compare
 programs' paths (Interleaver._agree_on_paths) and time-outs (_agree_on_time).
 
-A round is one gloo all-reduce (max) of 2 float64 per program call over the TP group's CPU
+A round is one gloo all-reduce (max) of 3 float64 per program call over the TP group's CPU
 group, the group vLLM builds for host-side collectives. A program step under TP runs one round
-after its programs start, one at each module where programs ran and one at its end: a batched
-program saving 4 layers runs 6 per step. This starts that many ranks on this host and times
+after its programs start and one at each module where programs ran (the step's time-outs ride
+on the last when every program is done): a batched program saving 4 layers runs 5 per step. This starts that many ranks on this host and times
 rounds for a few call counts, so its figure can be set beside a step's time:
 
     python3 bench/agree_probe.py [--ranks 2] [--rounds 2000]
@@ -26,7 +26,7 @@ def _rank(rank: int, ranks: int, port: int, rounds: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     for calls in (1, 16, 256):
-        codes = np.zeros(2 * calls)
+        codes = np.zeros(3 * calls)
         for _ in range(200):  # warm up
             dist.all_reduce(torch.from_numpy(codes.copy()), op=dist.ReduceOp.MAX)
         dist.barrier()

@@ -274,9 +274,7 @@ def test_time_limits_are_decided_alike_on_every_rank(llama, oracles):
     _next_trace_is_exact(llama, oracle)
 
 
-@pytest.mark.parametrize("how", ["gathers alone", "writes alone", "fails alone", "reads a split parameter alone",
-                                 "finishes early"])
-def test_a_program_taking_another_path_on_one_rank_fails_on_every_rank_alone(llama, oracles, layout, how):
+def test_a_program_taking_another_path_on_one_rank_fails_on_every_rank_alone(llama, oracles, layout):
     """Every TP rank runs the program on the same values, but a program may consult something
     rank-local (here the rank itself; in the wild the clock, a file, an error on one GPU). On
     TP rank 1 these programs read a value TP gathers, write where rank 0 only reads, fail,
@@ -287,45 +285,46 @@ def test_a_program_taking_another_path_on_one_rank_fails_on_every_rank_alone(lla
     oracle = oracles["tiny-llama"]
     ids = oracle.ids(PROMPT)
 
-    def program(m):
-        from vllm.distributed.parallel_state import get_tp_group
-
-        odd = get_tp_group().rank_in_group == 1
-        if how == "gathers alone" and odd:
-            m.layers[1].self_attn.qkv_proj.output  # noqa: B018 - the read is the point
-        if how == "writes alone":
-            x = m.layers[1].mlp.output
-            if odd:
-                m.layers[1].mlp.output = x * 2
-        if how == "fails alone" and odd:
-            raise ValueError("only on rank 1")
-        if how == "reads a split parameter alone" and odd:
-            m.embed_tokens.weight  # noqa: B018
-        if how == "finishes early" and odd:
-            return
-        m.save("down_in", m.layers[2].mlp.down_proj.input)  # gathered under TP
-        m.save("h", m.layers[3].resid)
-
     def keep(m):
         m.save("h", m.layers[3].resid)
 
     alone = llama.generate(ids, program=keep, max_tokens=3, ignore_eos=True)
     assert alone.token_ids == oracle.greedy(ids, 3)
-    if layout[0] > 1:
-        with pytest.raises(interlace.InterventionError, match="different paths on the tensor-parallel ranks") as err:
+    for how in ["gathers alone", "writes alone", "fails alone", "reads a split parameter alone", "finishes early"]:
+        def program(m, how=how):
+            from vllm.distributed.parallel_state import get_tp_group
+
+            odd = get_tp_group().rank_in_group == 1
+            if how == "gathers alone" and odd:
+                m.layers[1].self_attn.qkv_proj.output  # noqa: B018 - the read is the point
+            if how == "writes alone":
+                x = m.layers[1].mlp.output
+                if odd:
+                    m.layers[1].mlp.output = x * 2
+            if how == "fails alone" and odd:
+                raise ValueError("only on rank 1")
+            if how == "reads a split parameter alone" and odd:
+                m.embed_tokens.weight  # noqa: B018
+            if how == "finishes early" and odd:
+                return
+            m.save("down_in", m.layers[2].mlp.down_proj.input)  # gathered under TP
+            m.save("h", m.layers[3].resid)
+
+        if layout[0] > 1:
+            with pytest.raises(interlace.InterventionError, match="different paths on the tensor-parallel ranks") as err:
+                with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+                    tr.invoke(ids, program=keep)
+                    tr.invoke(ids, program=program)
+            assert err.value.invoke == 1 and err.value.record["where"].startswith("step 0"), how
+            other = err.value.partial[0]
+        else:
             with llama.trace(max_tokens=3, ignore_eos=True) as tr:
                 tr.invoke(ids, program=keep)
                 tr.invoke(ids, program=program)
-        assert err.value.invoke == 1 and err.value.record["where"].startswith("step 0")
-        other = err.value.partial[0]
-    else:
-        with llama.trace(max_tokens=3, ignore_eos=True) as tr:
-            tr.invoke(ids, program=keep)
-            tr.invoke(ids, program=program)
-        other = tr.result[0]
-        torch.testing.assert_close(tr.result[1].saves["h"], alone.saves["h"], atol=ATOL, rtol=ATOL)
-    assert other.token_ids == alone.token_ids
-    torch.testing.assert_close(other.saves["h"], alone.saves["h"], atol=ATOL, rtol=ATOL)
+            other = tr.result[0]
+            torch.testing.assert_close(tr.result[1].saves["h"], alone.saves["h"], atol=ATOL, rtol=ATOL)
+        assert other.token_ids == alone.token_ids, how
+        torch.testing.assert_close(other.saves["h"], alone.saves["h"], atol=ATOL, rtol=ATOL)
     _next_trace_is_exact(llama, oracle)
 
 

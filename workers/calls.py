@@ -24,8 +24,8 @@ Under tensor parallelism every rank runs the same program on the same values, an
 accesses enter a collective (a value split across ranks is gathered whole). A rank that stopped
 a program on its own clock would skip a collective the other ranks enter, and the group would
 hang. So with ``local_limits=False`` (TP > 1) no rank acts on its own clock within a step: the
-ranks agree on each call's time at the step's end (Interleaver._agree_on_time, one small all-
-reduce over the TP group's CPU group per step), a program past its limit is stopped there, and a
+ranks agree on each call's time at the step's end (Interleaver._agree_on_time, carried by the
+step's last agreement round on the host), a program past its limit is stopped there, and a
 budget spent in an earlier step stops it at its start, identically on every rank. Within a step
 only the last resort acts alone, and it ends the process (every rank's program is past its
 deadline by then; the group dies together instead of hanging).

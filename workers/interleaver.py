@@ -172,6 +172,7 @@ class Step:
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
     tapped: list[tuple[Point, StepOp]] = field(default_factory=list)  # saves that ran in graph taps
     memo: dict = field(default_factory=dict)  # work shared by the steps of an epoch (Interleaver._memo)
+    times_agreed: bool = False  # under TP: the last path round saw every call done, so its times are final
 
     def rows_at(self, rows: np.ndarray, device) -> Rows:
         """``Rows.at``, once per epoch for each distinct selection: a sweep saving 4 layers sends
@@ -610,7 +611,7 @@ class Interleaver:
         if step.tapped:
             self._take_tapped(step.tapped, step.memo)
         if self.agree_max is not None and step.calls:
-            self._agree_on_time(step.calls)
+            self._agree_on_time(step)
         for call, ctx in step.calls:
             if ctx.holds.late:  # a program stopped or suspended here may have edited one still
                 self._refuse_late_edits(call, ctx)
@@ -810,10 +811,13 @@ class Interleaver:
         step's programs, and at each hook where calls that all ranks agreed wait there ran.
         Values a program computes without acting on them differently (e.g. noise added to a
         write) are not compared."""
-        calls = step.calls
-        codes = np.fromiter((_path_code(call) for call, _ in calls), np.float64, len(calls))
-        both = self.agree_max(np.concatenate([codes, -codes]))
-        high, low = both[: len(calls)], -both[len(calls) :]
+        calls, n = step.calls, len(step.calls)
+        codes = np.fromiter((_path_code(call) for call, _ in calls), np.float64, n)
+        used = np.fromiter((call.used_s for call, _ in calls), np.float64, n)
+        agreed = self.agree_max(np.concatenate([codes, -codes, used]))  # the times too (see _agree_on_time)
+        high, low = agreed[:n], -agreed[n : 2 * n]
+        for (call, _ctx), used_s in zip(calls, agreed[2 * n :].tolist()):
+            call.agreed_s = used_s
         for (call, _ctx), hi, lo in zip(calls, high.tolist(), low.tolist()):
             if hi != lo:
                 message = (
@@ -825,6 +829,7 @@ class Interleaver:
                 )
                 call.stop(error_record(RanksDiverged(message), where=call.view.where()))
                 call.writes = -1  # stopped alike everywhere: the same code from now on
+        step.times_agreed = all(call.done for call, _ in calls)  # no program runs again this step
 
     def _deliver_parameter(self, call: ProgramCall, ctx: CallContext) -> None:
         """Hand a program a parameter every TP rank agreed it reads (gathered when split)."""
@@ -837,16 +842,19 @@ class Interleaver:
         call.resume(value)
         self._after_resume(call, ctx)
 
-    def _agree_on_time(self, calls: list[tuple[ProgramCall, CallContext]]) -> None:
-        """Under TP, decide the step's time-outs the same way on every rank: one all-reduce (max)
-        of each call's running time over the TP group's CPU group, then every call past its budget
+    def _agree_on_time(self, step: Step) -> None:
+        """Under TP, decide the step's time-outs the same way on every rank: each call's running
+        time is the most any rank counted (an all-reduce over the TP group's CPU group, unless the
+        step's last path round carried the final times already), and every call past its budget
         by that measure is stopped here, on every rank alike. The calls are the same, in the same
-        order, on every rank of the group (built from the same schedule). Costs one small
-        collective per step in which programs ran, only under TP."""
-        agreed = self.agree_max(np.fromiter((call.used_s for call, _ in calls), np.float64, len(calls)))
-        for (call, _ctx), used in zip(calls, agreed.tolist()):
-            call.agreed_s = used
-            if used >= call.budget_s and call.error is None:
+        order, on every rank of the group (built from the same schedule)."""
+        calls = step.calls
+        if not step.times_agreed:  # programs ran since the last round, or some wait for a point not reached
+            agreed = self.agree_max(np.fromiter((call.used_s for call, _ in calls), np.float64, len(calls)))
+            for (call, _ctx), used in zip(calls, agreed.tolist()):
+                call.agreed_s = used
+        for call, _ctx in calls:
+            if call.agreed_s >= call.budget_s and call.error is None:
                 call.time_out()
 
     def last_words(self, ctx: CallContext, record: dict) -> None:
