@@ -828,7 +828,6 @@ class Interleaver:
                     "apart, an error on one GPU only) decided otherwise. It was stopped on every rank"
                 )
                 call.stop(error_record(RanksDiverged(message), where=call.view.where()))
-                call.writes = -1  # stopped alike everywhere: the same code from now on
         step.times_agreed = all(call.done for call, _ in calls)  # no program runs again this step
 
     def _deliver_parameter(self, call: ProgramCall, ctx: CallContext) -> None:
@@ -1106,7 +1105,7 @@ def _path_code(call: ProgramCall) -> float:
     """A call's state as one number that ranks taking the same path compute alike: what it waits
     for next (or that it is done), whether it failed, how many writes it made (float64 holds it
     exactly: under 2**46)."""
-    if call.writes < 0:  # stopped for taking different paths: no longer compared
+    if call.stopped:  # stopped alike on every rank (its ranks went different ways): no longer compared
         return -1.0
     point = call.waiting_for
     where = 0 if call.done else 1 + zlib.crc32(f"{point.module}\0{point.kind}".encode())  # stable across processes

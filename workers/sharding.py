@@ -137,7 +137,7 @@ class TensorParallelLayout:
                 f"{module}.{name} is not readable on vLLM's CPU backend: it repacks linear weights "
                 "for its matmul kernel and frees the originals (GPU builds keep them)"
             )
-        if self.tp_size == 1 or not isinstance(param, torch.Tensor) or not _sharded_class(mod):
+        if not self.gathers_parameter(module, name):
             return param.detach()
         cls = type(mod).__name__
         if "VocabParallelEmbedding" in _mro(mod) or cls == "ParallelLMHead":
