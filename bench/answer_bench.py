@@ -16,10 +16,10 @@ import time
 def main() -> None:
     import torch
 
-    from interlace.cluster.http_api import (
+    from interlace.cluster.serve.http_api import (
         TraceResponse, decode_result, encode_result, read_safetensors_body, safetensors_body, tensors_b64,
     )
-    from interlace.trace import InvokeResult, TraceResult
+    from interlace.core.trace import InvokeResult, TraceResult
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=129)

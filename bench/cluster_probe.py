@@ -36,7 +36,7 @@ def time_model(target, data, out):
 
 
 def async_side(cfg, quiet: bool):
-    from interlace.assembly import build_requests
+    from interlace.cluster.assembly import build_requests
     from interlace.cluster.engine import start_async_engine
 
     loop = asyncio.new_event_loop()

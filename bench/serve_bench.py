@@ -414,7 +414,7 @@ def main() -> None:
     from transformers import AutoConfig
 
     import interlace
-    from interlace.cluster import serve_app
+    from interlace.cluster.serve import app as serve_app
     from interlace.cluster.config import ClusterConfig, LimitsConfig, ResourcesConfig, ServeConfig
 
     gpus = torch.cuda.device_count()

@@ -57,7 +57,7 @@ def run_plain(cfg, data: list[list[int]]) -> float:
 
 def run_sweep_bench(cfg, data: list[list[int]], layer: int, shard: int, in_flight: int, folder: Path) -> dict:
     from interlace.cluster.config import ClusterConfig, SweepConfig
-    from interlace.cluster.sweep import run_sweep
+    from interlace.cluster.sweep.runner import run_sweep
 
     inputs = folder / "prompts.jsonl"
     inputs.write_text("".join(json.dumps({"prompt": p[::-1]}) + "\n" for p in data))

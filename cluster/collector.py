@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from interlace.cluster.merge import merge_shared
-from interlace.wire import Report
+from interlace.core.wire import Report
 
 Key = tuple[int, int]  # (invoke, stage)
 

@@ -1,6 +1,6 @@
 """The one config schema: which model an engine serves and how it is laid out.
 
-Python, YAML files under ``configs/`` and (later) the CLI, Serve and Helm values all read these
+Python, YAML files under ``configs/``, the CLI, Serve and Helm values all read these
 models, so a setting means the same thing everywhere.
 
     >>> from interlace.cluster.config import ModelConfig
@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from interlace.core.tiny_models import TINY_MODELS, ensure_tiny_model
 
 EMBEDDED_PREFIX = "embedded:"
 # A decoder layer's resid, or the output of one of its children (as workers/taps.py reads them).
@@ -55,8 +57,6 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check_source(self) -> "ModelConfig":
         if self.source.startswith(EMBEDDED_PREFIX):
-            from interlace.tiny_models import TINY_MODELS
-
             name = self.source[len(EMBEDDED_PREFIX) :]
             if name not in TINY_MODELS:
                 raise ValueError(
@@ -100,8 +100,6 @@ class ModelConfig(BaseModel):
     def checkpoint_path(self) -> str:
         """The folder vLLM and transformers load; builds an embedded model on first use."""
         if self.source.startswith(EMBEDDED_PREFIX):
-            from interlace.tiny_models import ensure_tiny_model
-
             return str(ensure_tiny_model(self.source[len(EMBEDDED_PREFIX) :]))
         return self.source
 
@@ -380,7 +378,8 @@ class OpSpec(BaseModel):
         """The op as ``interlace.ops`` makes it."""
         import torch
 
-        from interlace import ops
+        # lazy: torch, needed to build an op's tensor, not to read a config
+        from interlace.core import ops
 
         value = self.value.load() if isinstance(self.value, (TensorFile, InlineTensor)) else self.value
         where = dict(tokens=self.tokens, steps=self.steps)

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from interlace import settings
+from interlace.core import settings
 from interlace.cluster.config import ModelConfig
 from interlace.workers.plugin import LOAD_ERRORS_ENV, TAPS_KEY
 

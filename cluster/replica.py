@@ -3,7 +3,7 @@
 The driver places each replica on a placement group of one bundle holding every TP x PP rank's
 resources (its ranks are the engine's own multiprocessing workers, on the actor's node, on the
 bundle's GPUs: :mod:`interlace.cluster.placement`) and sends it trace shards
-(:class:`interlace.wire.ShardTask`). Many shards run at once: every invoke is one request to the
+(:class:`interlace.core.wire.ShardTask`). Many shards run at once: every invoke is one request to the
 async engine, and a shard's requests are gathered together. The workers write reports to a
 ``dir:`` sink in a node-local folder chosen here at start-up; the replica reads each shard's
 reports as they appear and forwards them to the collector, saved tensors as object refs
@@ -28,8 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from interlace.cluster.assembly import ReportWatcher, build_requests
 from interlace.cluster.config import ClusterConfig, ModelConfig
-from interlace.wire import Completion, Report, SavesOnNode, SavesRef, ShardTask
+from interlace.cluster.engine import all_module_names, shutdown_engine, start_async_engine
+from interlace.cluster.janitor import remove_on_exit
+from interlace.cluster.placement import host_actor_options
+from interlace.cluster.serve.state import SharedState
+from interlace.core import settings
+from interlace.core.wire import Completion, Report, SavesOnNode, SavesRef, ShardTask
+from interlace.workers.sink import discard
 
 REPORT_GRACE_S = 30.0  # how long to wait for a shard's reports after its generation ended
 _POLL_S = 0.005
@@ -43,8 +50,6 @@ class Replica:
         """``collector``: the name of the collector actor its reports go to. A name, not a handle:
         Ray cannot promise to restart an actor whose constructor was given an actor handle (its
         arguments are then held by reference, ray-project/ray#53727)."""
-        from interlace.model import _fast_tmp
-
         self.config = ModelConfig.model_validate(config)
         self.index = index
         self.collector_name = collector
@@ -52,15 +57,12 @@ class Replica:
         self.overrides = overrides or {}
         self.state = None  # a Serve application's shared state: this replica's gauges go there
         if state is not None:
-            from interlace.cluster.serve_state import SharedState
-
             self.state = SharedState(state)
-        from interlace.cluster.janitor import remove_on_exit
 
         # Node-local and chosen here: the workers of this engine run on this node. One folder per
         # actor process, removed when the process ends however it ends (a restart after a dead
         # engine, or Ray killing the actor because its driver disconnected).
-        self.sink_root = Path(_fast_tmp() or tempfile.gettempdir()) / f"interlace-{name}-{os.getpid()}"
+        self.sink_root = Path(settings.fast_tmp_dir() or tempfile.gettempdir()) / f"interlace-{name}-{os.getpid()}"
         self.sink_root.mkdir(parents=True)
         remove_on_exit(self.sink_root)
         self._engine = None
@@ -99,8 +101,6 @@ class Replica:
         return [p.pid for p in psutil.Process().children(recursive=True)]
 
     def shutdown(self) -> None:
-        from interlace.cluster.engine import shutdown_engine
-
         engine, self._engine, self._starting = self._engine, None, None
         if engine is not None:
             shutdown_engine(engine)
@@ -115,8 +115,6 @@ class Replica:
         return self._engine
 
     async def _start_engine(self) -> None:
-        from interlace.cluster.engine import all_module_names, start_async_engine
-
         try:
             engine = await start_async_engine(self.config, **self.overrides)
             self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
@@ -167,7 +165,6 @@ class Replica:
 
     async def _generate(self, engine, task: ShardTask) -> list:
         """The shard's requests on the engine, all at once; their final outputs, in order."""
-        from interlace.assembly import build_requests
 
         wire = task.wire_trace
         prompts, params = build_requests(task.prompts, task.payloads, task.settings, wire,
@@ -178,7 +175,6 @@ class Replica:
 
     async def _watch(self, task: ShardTask, expected: set[tuple[int, int]]):
         """Every expected report of the shard from the sink folder (a ReportWatcher, done)."""
-        from interlace.assembly import ReportWatcher
 
         watcher = ReportWatcher(self.sink_root, task.wire_trace, expected, REPORT_GRACE_S)
         watcher.poll()
@@ -210,8 +206,6 @@ class Replica:
         (:class:`SavesRef`; the collector passes the refs on, the driver fetches the object once),
         or left in the folder when the driver is on this node (:class:`SavesOnNode`)."""
         import ray
-
-        from interlace.workers.sink import discard
 
         watcher = await self._watch(task, expected)
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
@@ -257,9 +251,6 @@ class Replica:
         streams these to an HTTP client as server-sent events."""
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
-
-        from interlace.assembly import ReportWatcher, build_requests
-        from interlace.workers.sink import discard
 
         engine = await self._engine_up()
         wire = task.wire_trace
@@ -327,8 +318,6 @@ class Replica:
             self.shards_served += 1
 
     def _take_reports(self, task: ShardTask, watcher) -> list[Report]:
-        from interlace.workers.sink import discard
-
         # The saves view private mappings of the files removed here, which stay valid.
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
         discard(watcher.folder)
@@ -401,8 +390,6 @@ def replica_actor(placement_group, cluster: ClusterConfig, cores: list[int] | No
     :mod:`interlace.cluster.placement`: Ray points the engine's ranks at them)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from interlace.cluster.placement import host_actor_options
 
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if cores:

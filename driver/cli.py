@@ -11,6 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from interlace.cluster.config import ServeConfig, SweepConfig
+from interlace.cluster.sweep.runner import SweepStopped, run_sweep
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="interlace", description="Intervention programs inside vLLM.")
@@ -31,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(path: Path, address: str | None) -> int:
     from pydantic import ValidationError
 
-    from interlace.cluster.config import ServeConfig
-    from interlace.cluster.serve_app import serve_until_stopped
+    # lazy: Ray Serve, loaded only by `interlace serve`
+    from interlace.cluster.serve.app import serve_until_stopped
 
     try:
         cfg = ServeConfig.load(path)
@@ -49,9 +52,6 @@ def _serve(path: Path, address: str | None) -> int:
 
 def _sweep(path: Path, address: str | None) -> int:
     from pydantic import ValidationError
-
-    from interlace.cluster.config import SweepConfig
-    from interlace.cluster.sweep import SweepStopped, run_sweep
 
     try:
         cfg = SweepConfig.load(path)

@@ -21,7 +21,7 @@ Many traces in flight: ``submit`` returns a ``concurrent.futures.Future`` at onc
 address for a local one).
 
 How a trace runs: the driver validates and encodes it (programs by value), splits a large trace's
-independent invokes into shards (:func:`plan_shards`), announces the trace's expected reports to
+independent invokes into shards (:func:`interlace.cluster.shards.plan_shards`), announces the trace's expected reports to
 the collector actor, and sends each shard to the replica with the least outstanding work that has
 room (at most ``max_in_flight`` shards per replica; ``submit`` waits once ``max_queued`` traces
 are held). Replicas return the tokens; reports go from replicas straight to the collector, which
@@ -40,16 +40,21 @@ import itertools
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable
 
-import cloudpickle
-
-from interlace.assembly import assemble
+from interlace.cluster.assembly import assemble
+from interlace.cluster.collector import start_collector
 from interlace.cluster.config import ClusterConfig
+from interlace.cluster.engine import refuse_graph_settings
+from interlace.cluster.placement import check_fits_a_node, replica_bundle
+from interlace.cluster.replica import replica_actor
+from interlace.cluster.shards import joined_invokes, plan_shards
+from interlace.core.trace import TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
+from interlace.core.wire import Completion, InvokePayload, SavesOnNode, SavesRef, ShardTask
 from interlace.model import Model, Trace
-from interlace.trace import Invoke, TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
-from interlace.wire import Completion, InvokePayload, SavesOnNode, SavesRef, ShardTask
+from interlace.remote import Remote
 from interlace.workers.points import ModuleTree
+from interlace.workers.sink import discard, read_new_reports
 
 _TAKE_TIMEOUT_S = 120.0  # a trace whose shards all returned yet reports stay missing this long fails
 _COLLECTOR_RESTART_S = 120.0  # how long a call waits for a restarting collector
@@ -87,8 +92,6 @@ class Cluster:
                  ray_init: dict | None = None, **engine_overrides: Any):
         import ray
 
-        from interlace.cluster.engine import refuse_graph_settings
-
         self.config = ClusterConfig.load(config)
         # As Model does: refused here, before Ray or any replica starts (CPU replicas only).
         if not self.config.resources.num_gpus:
@@ -117,10 +120,6 @@ class Cluster:
     async def _start(self, engine_overrides: dict) -> None:
         import ray
         from ray.util.placement_group import placement_group
-
-        from interlace.cluster.collector import start_collector
-        from interlace.cluster.placement import check_fits_a_node, replica_bundle
-        from interlace.cluster.replica import replica_actor
 
         cfg = self.config
         # Before a placement group waits forever for a node this cluster will never have.
@@ -373,7 +372,6 @@ def _saves_on_node(reports) -> dict | None:
     """The saves of reports whose replica left them in its folder on this node, mapped (not
     copied, as Model reads them), by (folder, invoke, stage); the folders are removed (the mapping
     outlives them). None: a folder is gone (its replica's process ended)."""
-    from interlace.workers.sink import discard, read_new_reports
 
     folders = {r.saves.folder for r in reports if isinstance(r.saves, SavesOnNode)}
     found = {}
@@ -399,50 +397,5 @@ def connect(address: str | None = None, config: str | Path | ClusterConfig = "ti
     ``token`` or ``INTERLACE_API_TOKEN``) gives an :class:`interlace.remote.Remote`; a Ray address
     ("auto", "ray://host:10001"; None: start a local Ray) a :class:`Cluster` of ``config``."""
     if address is not None and address.startswith(("http://", "https://")):
-        from interlace.remote import Remote
-
         return Remote(address, token=token, **kwargs)
     return Cluster(config, address=address, **kwargs)
-
-
-def joined_invokes(invokes: Sequence[Invoke]) -> list[int]:
-    """The invokes that must share one engine: those whose program may ``send``/``recv``.
-
-    A program's use of them cannot be known for sure, so the rule is conservative: plain and
-    ops-only invokes are independent, and so are invokes of a ``@interlace.batched`` program whose
-    code names neither ``send`` nor ``recv``; every other program invoke is joined.
-    """
-    return [i for i, inv in enumerate(invokes) if inv.program is not None and not _independent(inv.program)]
-
-
-def plan_shards(count_invokes: int, joined: Sequence[int], replicas: int, min_shard: int) -> list[list[int]]:
-    """Split a trace's invoke indices into at most ``replicas`` shards of at least ``min_shard``;
-    the ``joined`` invokes stay together in the first shard."""
-    count = min(replicas, count_invokes // min_shard)
-    if count <= 1:
-        return [list(range(count_invokes))]
-    free = [i for i in range(count_invokes) if i not in set(joined)]
-    joined = list(joined)
-    target = -(-count_invokes // count)
-    first = joined + free[:max(0, target - len(joined))]
-    rest = free[len(first) - len(joined):]
-    per = -(-len(rest) // (count - 1)) if rest else 1
-    shards = [sorted(first)] + [rest[k:k + per] for k in range(0, len(rest), per)]
-    return [s for s in shards if s]
-
-
-def _independent(program: Callable) -> bool:
-    if not getattr(program, "__interlace_batched__", False):
-        return False
-    code = getattr(program, "__code__", None)
-    return code is not None and not ({"send", "recv"} & _names(code))
-
-
-def _names(code) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names |= _names(const)
-    return names
-
-

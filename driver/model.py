@@ -22,7 +22,6 @@ Steer, patch and compare several prompts in one trace::
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -31,10 +30,11 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from interlace.cluster.assembly import ReportWatcher, assemble, build_requests
 from interlace.cluster.config import ModelConfig
-from interlace import settings as interlace_settings
-from interlace.assembly import ReportWatcher, assemble, build_requests
-from interlace.trace import (
+from interlace.cluster.engine import all_module_names, refuse_graph_settings, shutdown_engine, start_engine
+from interlace.core import settings as interlace_settings
+from interlace.core.trace import (
     Invoke,
     InvokeResult,
     TraceResult,
@@ -43,13 +43,12 @@ from interlace.trace import (
     encode_payloads,
     new_trace_id,
 )
-from interlace.wire import Completion, Report
+from interlace.core.wire import Completion, Report
 from interlace.workers.points import ModuleTree
-from interlace.workers.sink import close_sink, discard
+from interlace.workers.sink import DATA, close_sink, discard, read_new_reports
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
 _REPORT_GRACE_S = 30.0  # how long to wait for workers' reports after generation ends
-_MIN_SHM_BYTES = 4 << 30  # report folders go to /dev/shm only with at least this much free
 
 
 class Model:
@@ -65,14 +64,13 @@ class Model:
         config = config if isinstance(config, ModelConfig) else ModelConfig.load(config)
         fields = {k: overrides.pop(k) for k in list(overrides) if k in ModelConfig.model_fields}
         self.config = ModelConfig.model_validate({**config.model_dump(), **fields}) if fields else config
-        from interlace.cluster.engine import refuse_graph_settings
 
         refuse_graph_settings({**self.config.engine_args, **overrides})  # here, not when the engine starts
         self.engine_overrides = overrides
         self._engine = None
         self._tree: ModuleTree | None = None
         self._lock = threading.Lock()
-        self._sink_root = Path(tempfile.mkdtemp(prefix="interlace-", dir=_fast_tmp()))
+        self._sink_root = Path(tempfile.mkdtemp(prefix="interlace-", dir=interlace_settings.fast_tmp_dir()))
         # Reports live in memory-backed /dev/shm: remove them even if close() is never called.
         weakref.finalize(self, shutil.rmtree, str(self._sink_root), True)
 
@@ -82,8 +80,6 @@ class Model:
     def engine(self):
         """The underlying ``vllm.LLM`` (started on first access)."""
         if self._engine is None:
-            from interlace.cluster.engine import start_engine
-
             self._engine = start_engine(self.config, **self.engine_overrides)
         return self._engine
 
@@ -95,8 +91,6 @@ class Model:
     def tree(self) -> ModuleTree:
         """The model's module names, as the workers see them (used to check ops early)."""
         if self._tree is None:
-            from interlace.cluster.engine import all_module_names
-
             self._tree = ModuleTree(names=all_module_names(self.engine.collective_rpc("interlace_module_names")))
         return self._tree
 
@@ -117,8 +111,6 @@ class Model:
     def close(self) -> None:
         """Shut the engine down and remove the report folder."""
         if self._engine is not None:
-            from interlace.cluster.engine import shutdown_engine
-
             shutdown_engine(self._engine)
             self._engine = None
         close_sink(f"dir:{self._sink_root}")  # an engine in this process kept its data files open here
@@ -185,7 +177,6 @@ class Model:
     def _last_words(self, trace_id: str) -> str:
         """Why a worker ended itself, from the error reports it wrote first (a program that
         ignored its time limit), or "" when no such report exists."""
-        from interlace.workers.sink import read_new_reports
 
         try:
             reports = read_new_reports(self._sink_root / trace_id, set())
@@ -198,9 +189,6 @@ class Model:
         return ""
 
     def _drop_dead_engine(self) -> None:
-        from interlace.cluster.engine import shutdown_engine
-        from interlace.workers.sink import DATA
-
         engine, self._engine = self._engine, None
         try:
             shutdown_engine(engine)  # reap what is left of its processes
@@ -230,7 +218,7 @@ class Trace:
     """A trace being built: ``with model.trace(...) as tr: tr.invoke(...)``; then ``tr.result``.
 
     Its target runs it: a :class:`Model` (one local engine) or an ``interlace.Cluster``; both
-    build requests and results with :mod:`interlace.assembly`.
+    build requests and results with :mod:`interlace.cluster.assembly`.
     """
 
     def __init__(self, target: "Model", settings: dict, timeout_s: float, max_save_bytes: int):
@@ -267,13 +255,3 @@ class Trace:
     def __exit__(self, exc_type, *_: Any) -> None:
         if exc_type is None:
             self.run()
-
-
-def _fast_tmp() -> str | None:
-    """Memory-backed /dev/shm for reports when it has room (containers often give it 64 MiB),
-    else the system's temporary folder."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return None
-    stats = os.statvfs(shm)
-    return str(shm) if stats.f_bavail * stats.f_frsize >= _MIN_SHM_BYTES else None

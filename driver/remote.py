@@ -26,9 +26,19 @@ from typing import Any, Iterator
 
 import cloudpickle
 
+from interlace.cluster.serve.http_api import (
+    SAFETENSORS_TYPE,
+    HttpOp,
+    InvokeRequest,
+    TraceRequest,
+    TraceResponse,
+    decode_result,
+    read_safetensors_body,
+)
+from interlace.core.settings import trace_timeout_s
+from interlace.core.trace import InterventionError, TraceResult, WorkerDied, check_trace, programs_by_value
 from interlace.model import DEFAULT_MAX_SAVE_BYTES, Model, Trace
-from interlace.settings import trace_timeout_s
-from interlace.trace import InterventionError, TraceResult, WorkerDied, check_trace, programs_by_value
+from interlace.workers.points import ModuleTree
 
 
 class RequestRefused(RuntimeError):
@@ -60,7 +70,6 @@ class Remote:
     @property
     def tree(self):
         """The model's module names, from the endpoint (ops are checked here before sending)."""
-        from interlace.workers.points import ModuleTree
 
         with self._tree_lock:
             if self._tree is None:
@@ -95,8 +104,6 @@ class Remote:
         generated other tokens) means: drop what came of that invoke so far."""
         from safetensors.torch import load
 
-        from interlace.cluster.http_api import TraceResponse
-
         body = self.encode(trace) | {"stream": True}
         with self._http.stream("POST", "/v1/traces", json=body) as response:
             if response.status_code != 200:
@@ -126,7 +133,6 @@ class Remote:
 
     def encode(self, trace: Trace) -> dict[str, Any]:
         """The trace as the JSON body of ``POST /v1/traces`` (checked against the model first)."""
-        from interlace.cluster.http_api import HttpOp, InvokeRequest, TraceRequest
 
         check_trace(trace.invokes, trace.settings, self.tree)  # the very checks Model makes
         settings = dict(trace.settings)
@@ -153,8 +159,6 @@ class Remote:
     # --- HTTP --------------------------------------------------------------------------------
 
     def _send(self, trace: Trace, body: dict) -> TraceResult:
-        from interlace.cluster.http_api import SAFETENSORS_TYPE, read_safetensors_body
-
         # The answer as one .safetensors file: no base64 or JSON of the saves on either side.
         response = self._http.post("/v1/traces", json=body, headers={"Accept": SAFETENSORS_TYPE})
         if response.status_code != 200:
@@ -168,16 +172,12 @@ class Remote:
         return response.json()
 
     def _decode(self, trace: Trace, response, tensors: dict | None = None) -> TraceResult:
-        from interlace.cluster.http_api import decode_result
-
         result = decode_result(response, tensors)
         for inv, sent in zip(result.invokes, trace.invokes):
             inv.prompt = sent.prompt
         return result
 
     def _raise(self, status: int, data: dict, trace: Trace | None = None):
-        from interlace.cluster.http_api import TraceResponse
-
         error = data.get("error", {}) if isinstance(data, dict) else {}
         kind, message = error.get("type", "Error"), error.get("message", str(data))
         if kind == "InterventionError":

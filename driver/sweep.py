@@ -26,14 +26,13 @@ take them from each shard's record, ``shard-00000.json`` (``files.index.name``,
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
-from interlace.cluster.shard_writer import INDEX_COLUMNS
-from interlace.cluster.sweep_store import SweepStore
+from interlace.cluster.sweep.shard_writer import INDEX_COLUMNS
+from interlace.cluster.sweep.store import SweepStore, shard_tensors
 
 
 @dataclass
@@ -127,81 +126,10 @@ class Sweep:
         return self._files[shard]
 
 
-def shard_tensors(store: SweepStore, name: str):
-    """A shard's tensors file, opened for ``get_slice(name)[a:b]`` / ``get_tensor(name)``: memory-mapped
-    when local, read by byte range (only the rows asked for) on an object store."""
-    if store.local is not None:
-        from safetensors import safe_open
-
-        return safe_open(store.local / name, framework="pt")
-    return _RangeTensors(store.open_input(name))
-
-
-class _RangeTensors:
-    """A ``.safetensors`` object read by byte ranges: its header once, then only the rows sliced."""
-
-    def __init__(self, handle: Any):
-        self.handle = handle
-        size = struct.unpack("<Q", handle.read_at(8, 0))[0]
-        self.header = json.loads(handle.read_at(size, 8))
-        self.header.pop("__metadata__", None)
-        self.base = 8 + size
-
-    def keys(self) -> list[str]:
-        return list(self.header)
-
-    def get_tensor(self, name: str):
-        info = self.header[name]
-        begin, end = info["data_offsets"]
-        return self._read(begin, end - begin, info["dtype"], info["shape"])
-
-    def get_slice(self, name: str) -> "_RangeSlice":
-        return _RangeSlice(self, name)
-
-    def _read(self, begin: int, nbytes: int, dtype: str, shape: list[int]):
-        import torch
-
-        torch_dtype = _dtypes().get(dtype)
-        if torch_dtype is None:
-            raise ValueError(f"safetensors dtype {dtype} is not one a sweep writes ({sorted(_dtypes())})")
-        if nbytes == 0:
-            return torch.empty(shape, dtype=torch_dtype)
-        data = bytearray(self.handle.read_at(nbytes, self.base + begin))
-        return torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
-
-
-@dataclass
-class _RangeSlice:
-    tensors: _RangeTensors
-    name: str
-
-    def __getitem__(self, key: slice):
-        info = self.tensors.header[self.name]
-        shape, (begin, end) = info["shape"], info["data_offsets"]
-        if not isinstance(key, slice) or not shape:
-            raise TypeError(f"{self.name}: a remote sweep reads rows by a slice of the first dimension, got {key!r}")
-        start, stop, step = key.indices(shape[0])
-        if step != 1:
-            raise TypeError(f"{self.name}: slice rows with step 1, got {key!r}")
-        stop = max(stop, start)
-        row_bytes = (end - begin) // shape[0] if shape[0] else 0
-        return self.tensors._read(begin + start * row_bytes, (stop - start) * row_bytes, info["dtype"],
-                                  [stop - start, *shape[1:]])
-
-
-@cache
-def _dtypes() -> dict[str, Any]:
-    import torch
-
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
 def open_sweep(path: str | Path) -> Sweep:
     """A lazy view of the sweep written to ``path``: a local folder, or a URL ``pyarrow.fs`` opens
     (``s3://bucket/prefix?endpoint_override=...``, ``gs://...``, ``file:///abs/path``; see
-    :mod:`interlace.cluster.sweep_store` for credentials). Local tensors are memory-mapped; memory
+    :mod:`interlace.cluster.sweep.store` for credentials). Local tensors are memory-mapped; memory
     mapping is for local files only, so on an object store each access reads the rows it needs by
     byte range (the header once per shard) and each shard's index once."""
     return Sweep(path)

@@ -19,8 +19,8 @@ import torch
 import interlace
 from interlace import ops
 from interlace.cluster.config import ClusterConfig
-from interlace.cluster_client import joined_invokes, plan_shards
-from interlace.trace import Invoke
+from interlace.cluster.shards import joined_invokes, plan_shards
+from interlace.core.trace import Invoke
 
 MAX_IN_FLIGHT = 4
 ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2  # TF32 matmuls and TP's reduction order on GPUs
@@ -135,7 +135,7 @@ def test_the_collector_counts_a_duplicated_or_stale_report_once(cluster):
     import ray
 
     from interlace.cluster.collector import start_collector
-    from interlace.wire import Report
+    from interlace.core.wire import Report
 
     collector = start_collector()
     try:

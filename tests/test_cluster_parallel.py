@@ -130,7 +130,7 @@ def test_a_replica_no_node_can_hold_is_refused_before_anything_waits(ray_cpus):
     groups = len(ray.util.placement_group_table())
     with pytest.raises(ValueError, match=rf"needs \{{CPU: 4, GPU: 8\}} on one node .* largest node .* GPU: {GPUS}"):
         interlace.Cluster(wide)
-    from interlace.cluster import serve_app
+    from interlace.cluster.serve import app as serve_app
     from interlace.cluster.config import ServeConfig
 
     with pytest.raises(ValueError, match=r"needs \{CPU: 4, GPU: 8\} on one node"):

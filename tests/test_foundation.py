@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from interlace.cluster.config import ModelConfig
-from interlace.tiny_models import TINY_MODELS, ensure_tiny_model
+from interlace.core.tiny_models import TINY_MODELS, ensure_tiny_model
 
 PROMPTS = ["The capital of France is", "Steering vectors add a direction", "One two three four"]
 
@@ -81,7 +81,7 @@ def test_a_program_from_a_users_own_module_reaches_ranks_that_cannot_import_it(t
     import subprocess
     import sys
 
-    from interlace.trace import Invoke, encode_payloads
+    from interlace.core.trace import Invoke, encode_payloads
 
     (tmp_path / "my_study.py").write_text("SCALE = 3\n\ndef steer(m):\n    m.layers[1].resid[:] *= SCALE\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -106,7 +106,7 @@ def test_encoding_leaves_a_module_the_caller_registered_by_value_registered(tmp_
     interlace encodes a trace inside, and no module interlace registered stays registered."""
     import cloudpickle
 
-    from interlace.trace import Invoke, encode_payloads
+    from interlace.core.trace import Invoke, encode_payloads
 
     (tmp_path / "own_study.py").write_text("def look(m):\n    m.save('x', m.layers[0].resid)\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -10,6 +10,7 @@ tag and commit it was taken from).
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -29,7 +30,7 @@ import yaml
 from interlace.cluster.config import ServeConfig, SweepConfig
 from interlace.cluster.helm_values import (CHART_DIR, chart_values, serve_config, sweep_config, worker_group_size,
                                           worker_pods)
-from interlace.settings import cache_dir
+from interlace.core.settings import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((CHART_DIR / "examples").glob("*.yaml"))
@@ -184,7 +185,9 @@ def test_serve_config_is_what_the_cli_reads(helm, values):
     (service,) = of_kind(render(helm, values), "RayService")
     serve = yaml.safe_load(service["spec"]["serveConfigV2"])
     (app,) = serve["applications"]
-    assert app["import_path"] == "interlace.cluster.serve_app:build_app"
+    assert app["import_path"] == "interlace.cluster.serve.app:build_app"
+    module, _, builder = app["import_path"].partition(":")
+    assert callable(getattr(importlib.import_module(module), builder))  # what `serve run` will load
     expected = serve_config(chart_values(values))
     assert ServeConfig.model_validate(app["args"]) == expected
     assert ServeConfig.load(app["args"]) == expected

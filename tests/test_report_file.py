@@ -497,7 +497,7 @@ def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
     than the grace failed with "a worker may have died")."""
     import time
 
-    from interlace.assembly import ReportWatcher
+    from interlace.cluster.assembly import ReportWatcher
 
     watcher = ReportWatcher(tmp_path, "t", {(0, 0), (1, 0)}, grace_s=0.2, due=())
     time.sleep(0.3)

@@ -58,7 +58,7 @@ def endpoint():
     import ray
     from ray import serve
 
-    from interlace.cluster import serve_app
+    from interlace.cluster.serve import app as serve_app
     from interlace.cluster.config import ServeConfig
 
     assert not ray.is_initialized()
@@ -107,9 +107,9 @@ def assert_same(got, want, atol=1e-4):
 def test_tokens_from_the_environment_reach_the_ingress_as_digests_only(monkeypatch):
     """A runtime environment is readable by whoever can read the Ray cluster's state: the tokens
     document put there holds each token's SHA-256, and the ingress accepts the tokens with it."""
-    from interlace.cluster.auth import Tokens
+    from interlace.cluster.serve.auth import Tokens
     from interlace.cluster.config import AuthConfig, ServeConfig
-    from interlace.cluster.serve_app import _auth_env
+    from interlace.cluster.serve.app import _auth_env
 
     monkeypatch.setenv("INTERLACE_API_TOKENS", TOKENS)
     cfg = ServeConfig.model_validate({"cluster": {"model": "tiny-llama"}})
@@ -424,7 +424,7 @@ def test_a_rerun_stream_sends_only_what_the_client_lacks_or_says_restart():
     integration above covers the identical re-run; this covers a re-run that generates other tokens)."""
     import asyncio
 
-    from interlace.cluster.ingress import _StreamSent
+    from interlace.cluster.serve.ingress import _StreamSent
 
     sent, out = _StreamSent(), []
 

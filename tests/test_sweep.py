@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 import interlace
 from interlace import ops
 from interlace.cluster.config import SweepConfig
-from interlace.cluster.sweep import SweepStopped, run_sweep
+from interlace.cluster.sweep.runner import SweepStopped, run_sweep
 
 ATOL = 1e-4
 STEER = torch.linspace(-0.5, 0.5, 128)

@@ -4,7 +4,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from interlace.cluster.tensor_file import write_safetensors
+from interlace.cluster.sweep.tensor_file import write_safetensors
 
 
 def test_parts_are_written_joined_and_read_back_by_safetensors(tmp_path):

@@ -13,6 +13,7 @@ import os
 class InterlaceWorkerExtension:
     def interlace_install(self, all_modules: list[str]) -> None:
         """Wire interlace into this rank's runner; ``all_modules``: every stage's module names."""
+        # lazy: vLLM loads this class in its engine process too; the hooks load in worker ranks only
         from interlace.workers.runner_hooks import install
 
         runner = self.model_runner

@@ -41,6 +41,7 @@ def register() -> None:
         model = original(self, vllm_config, model_config, *args, **kwargs)
         specs = (getattr(vllm_config, "additional_config", None) or {}).get(TAPS_KEY)
         if specs and model_config is vllm_config.model_config:  # the served model, not a drafter
+            # lazy: plugins load in every vLLM process; taps only where a tapped model loads
             from interlace.workers.taps import install
 
             scheduler = vllm_config.scheduler_config

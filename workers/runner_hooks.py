@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 
+from interlace.workers.calls import error_record
 from interlace.workers.graphs import GraphSwitch, eager_kernels, is_compiled
 from interlace.workers.interleaver import PAYLOAD_KEY, Interleaver
 from interlace.workers.kv_blocks import KVBlocks
@@ -222,8 +223,6 @@ def _guard(inter: Interleaver, fn, *args):
 
 
 def _fail_all(inter: Interleaver, exc: BaseException, where: str) -> None:
-    from interlace.workers.calls import error_record
-
     record = error_record(exc, where=where)
     for inv in inter.invokes.values():
         inv.fail(record)

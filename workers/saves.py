@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from interlace import settings
+from interlace.core import settings
 from interlace.workers.pinned import PinnedSlabs, Slab
 from interlace.workers.points import device_index
 from interlace.workers.report_file import copy_to_host

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from interlace.workers.points import device_index
+from interlace.workers.points import ModuleTree, device_index
 from interlace.workers.sharding import ends_in_reduction
 
 _TAPS: "Taps | None" = None  # this process's taps (one model per vLLM worker process)
@@ -327,7 +327,6 @@ def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: in
     ends in a tap op. Points another pipeline stage runs are declared (every stage decides alike)
     but not tapped here."""
     global _TAPS
-    from interlace.workers.points import ModuleTree
 
     tree = ModuleTree(model)
     hidden_size = model.config.hidden_size if hasattr(model, "config") else _hidden_size(model)

@@ -7,16 +7,16 @@ Three deployments, bound together by :func:`build_app`:
   gathered meanwhile together), each on one node (a placement group of one bundle holding every
   TP x PP rank's resources);
   replicas and autoscaling from the config;
-- ``InterlaceIngress``: the FastAPI app of :mod:`interlace.cluster.ingress` (auth, limits,
+- ``InterlaceIngress``: the FastAPI app of :mod:`interlace.cluster.serve.ingress` (auth, limits,
   streaming), sharding each trace over the engine replicas through a deployment handle;
 - ``InterlaceState``: one replica hosting the actor that holds what all ingress replicas share
-  (quotas, asynchronous results, the metrics registry; :mod:`interlace.cluster.serve_state`).
+  (quotas, asynchronous results, the metrics registry; :mod:`interlace.cluster.serve.state`).
 
 Three ways to run it, all reading :class:`~interlace.cluster.config.ServeConfig`::
 
     interlace serve configs/serve/tiny-llama.yaml                     # starts Ray and Serve here
-    serve run interlace.cluster.serve_app:build_app config=configs/serve/tiny-llama.yaml
-    serve deploy serve.yaml   # applications: [{import_path: interlace.cluster.serve_app:build_app,
+    serve run interlace.cluster.serve.app:build_app config=configs/serve/tiny-llama.yaml
+    serve deploy serve.yaml   # applications: [{import_path: interlace.cluster.serve.app:build_app,
                               #                 args: {<the ServeConfig fields>}}]
 """
 
@@ -29,11 +29,11 @@ from ray import serve
 from ray.serve import Application
 
 from interlace.cluster.config import ServeConfig
-from interlace.cluster.ingress import Ingress, api
 from interlace.cluster.placement import check_fits_a_node, host_actor_options, replica_bundle
 from interlace.cluster.replica import Replica, compact_outcome
-from interlace.cluster.serve_state import StateHost
-
+from interlace.cluster.serve.auth import Tokens
+from interlace.cluster.serve.ingress import Ingress, api
+from interlace.cluster.serve.state import StateHost
 
 # Serve logs every call at INFO: warnings only, and no access log; Prometheus metrics say what the
 # traffic was.
@@ -179,14 +179,11 @@ def _auth_env(cfg: ServeConfig) -> dict[str, str]:
     name = cfg.auth.tokens_env
     if cfg.auth.tokens_file or not os.environ.get(name):
         return {}
-    from interlace.cluster.auth import Tokens
 
     return {name: Tokens.load(cfg.auth).digests_document()}
 
 
 def _check_tokens(cfg: ServeConfig) -> None:
-    from interlace.cluster.auth import Tokens
-
     if cfg.auth.tokens_file is None:  # a file is read on the ingress's node, which may not be this one
         Tokens.load(cfg.auth)
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import cloudpickle
 
-from interlace.wire import InvokePayload
+from interlace.core.wire import InvokePayload
 
 
 

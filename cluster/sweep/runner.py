@@ -1,7 +1,7 @@
 """Sweeps: one intervention over a dataset of prompts, written to a folder of shards.
 
     >>> from interlace.cluster.config import SweepConfig
-    >>> from interlace.cluster.sweep import run_sweep
+    >>> from interlace.cluster.sweep.runner import run_sweep
     >>> manifest = run_sweep(SweepConfig.load("configs/sweeps/example.yaml"))
     >>> manifest["summary"]["prompts"]
 
@@ -17,14 +17,14 @@ How it runs, on Ray Data:
 2. Shards without a committed record in the output folder (a rerun skips the rest) become the rows
    of a dataset that ``map_batches`` sends to an actor pool of :class:`ShardRunner`, one engine
    replica per actor (Ray Data gives the backpressure, actor restarts and task retries). Each
-   actor runs a shard as one trace and writes its files itself (``interlace.cluster.shard_writer``):
+   actor runs a shard as one trace and writes its files itself (``interlace.cluster.sweep.shard_writer``):
    saved tensors never pass through the driver.
 3. The driver collects each shard's small record, keeps ``manifest.json`` up to date (config,
    versions, counts, status, per-shard records, summary), prints progress, and at the end merges
    the shards' partial shared values into ``shared.safetensors``.
 
 Exactly once: a shard's files are committed (renamed into place in a local folder; on an object
-store, PUT under names unique to the attempt, see :mod:`interlace.cluster.sweep_store`) before
+store, PUT under names unique to the attempt, see :mod:`interlace.cluster.sweep.store`) before
 its record, and a shard counts as done only when its record exists with files of the recorded
 sizes. A shard whose actor died runs again (in a folder, under the same file names); a driver killed mid-sweep loses nothing committed, and a rerun of the same
 command runs only the shards without a record.
@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 from interlace.cluster.config import SweepConfig, SweepInput, SweepIntervention
 from interlace.cluster.placement import check_fits_a_node, replica_bundle
-from interlace.cluster.shard_writer import (
+from interlace.cluster.sweep.shard_writer import (
     SHARED_META,
     SHARED_PREFIX,
     PromptRow,
@@ -55,7 +55,9 @@ from interlace.cluster.shard_writer import (
     merge_partials,
     shard_stem,
 )
-from interlace.cluster.sweep_store import SweepStore, is_url
+from interlace.cluster.sweep.store import SweepStore, is_url, shard_tensors
+from interlace.core import settings
+from interlace.core.trace import batched, programs_by_value
 
 MANIFEST = "manifest.json"
 SHARED_FILE = "shared.safetensors"
@@ -211,9 +213,6 @@ def _checked(value: Any, column: str, columns: list[str]) -> tuple[Any, str | No
 def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes:
     import cloudpickle
 
-    from interlace import settings
-    from interlace.trace import programs_by_value
-
     program = _import_program(cfg.intervention, base_dir)
     plan = RunPlan(
         sweep_id=identity[:10], output=cfg.output if is_url(cfg.output) else str(Path(cfg.output).resolve()),
@@ -244,8 +243,6 @@ def _import_program(intervention: SweepIntervention, base_dir: str | Path | None
     if not callable(program):
         raise ValueError(f"intervention.program {intervention.program!r}: {module_name} has no function {attr!r}")
     if intervention.batched:
-        from interlace.trace import batched
-
         program = batched(program)
     return program
 
@@ -424,7 +421,6 @@ def _versions() -> dict[str, str | None]:
 
 def _merge_shared(out: SweepStore, manifest: dict) -> dict:
     """Merge every shard's partial shared values (in shard order) into ``shared.safetensors``."""
-    from interlace.sweep import shard_tensors
 
     parts: dict[str, list] = {}
     for key, record in manifest["shards"].items():

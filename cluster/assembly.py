@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from interlace.cluster.merge import merge_shared
-from interlace.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
-from interlace.wire import Completion, ErrorRecord, InvokePayload, Report
+from interlace.core.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
+from interlace.core.wire import Completion, ErrorRecord, InvokePayload, Report
 from interlace.workers.scheduler import GANG_KEY, PROGRAM_KEY, WHOLE_PROMPT_KEY
 from interlace.workers.sink import read_new_reports, writing_reports
 

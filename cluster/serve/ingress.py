@@ -32,13 +32,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from interlace.cluster.auth import Caller, Tokens
+from interlace.cluster.assembly import assemble
 from interlace.cluster.config import ServeConfig
-from interlace.cluster.http_api import (
-    SAFETENSORS_TYPE, ErrorBody, TraceRequest, TraceResponse, encode_result, parse_request, safetensors_body,
-    saved_bytes, tensors_b64,
+from interlace.cluster.serve.auth import Caller, Tokens
+from interlace.cluster.serve.http_api import (
+    SAFETENSORS_TYPE,
+    ErrorBody,
+    TraceRequest,
+    TraceResponse,
+    encode_result,
+    parse_request,
+    safetensors_body,
+    saved_bytes,
+    tensors_b64,
 )
-from interlace.cluster.serve_state import SharedState
+from interlace.cluster.serve.state import SharedState
+from interlace.cluster.shards import plan_shards
+from interlace.core.trace import InterventionError, Invoke, check_trace, encode_payloads
+from interlace.core.wire import InvokePayload, ShardTask
+from interlace.workers.points import ModuleTree
 
 api = FastAPI(title="interlace", description="Intervention programs inside vLLM, over HTTP.", version="1")
 
@@ -82,8 +94,6 @@ class Ingress:
     # --- helpers ---------------------------------------------------------------------------
 
     async def _module_tree(self):
-        from interlace.workers.points import ModuleTree
-
         if self._tree is None:
             info = await self.engine.ready.remote()
             self._model_names = info["module_names"]
@@ -135,8 +145,6 @@ class Ingress:
 
         import cloudpickle
 
-        from interlace.trace import Invoke, check_trace, encode_payloads
-
         invokes = []
         try:
             for inv in req.invokes:
@@ -164,10 +172,6 @@ class Ingress:
     async def run(self, run: _Run, on_event=None):
         """The trace's result (TraceResult); ``on_event`` gets stream events when streaming."""
         import ray
-
-        from interlace.assembly import assemble
-        from interlace.cluster_client import plan_shards
-        from interlace.wire import ShardTask
 
         req = run.request
         invokes, payloads = await self._invokes(req, run.trace_id)
@@ -242,7 +246,6 @@ class Ingress:
         """Run the trace to its answer: (status, body, content type, metrics outcome); ``binary``: a
         200 answer as one .safetensors file (no base64 or JSON of the tensors: about a tenth of the
         CPU per answer, in the ingress and the client alike)."""
-        from interlace.trace import InterventionError
 
         outcome: dict[str, Any] = {}
         try:
@@ -474,8 +477,6 @@ def _error_bytes(status: int, type_: str, message: str) -> tuple[int, bytes, str
 
 
 def _empty_payload(trace_id: str, index: int, ops: bytes, timeout_s: float, max_save: int):
-    from interlace.wire import InvokePayload
-
     return InvokePayload(trace=trace_id, invoke=index, program=None, program_key=None, batched=False, ops=ops,
                          ops_key="", steps=None, sink="", timeout_s=timeout_s, max_save_bytes=max_save)
 

@@ -17,10 +17,16 @@ which every node of the cluster must have.
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import uuid
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any, Callable
+
+from interlace.cluster.sweep.tensor_file import write_safetensors
 
 
 def is_url(output: str) -> bool:
@@ -78,7 +84,6 @@ class SweepStore:
 
     def put_tensors(self, name: str, tensors: dict[str, list], metadata: dict[str, str]) -> None:
         """A safetensors file of each name's parts joined (:func:`write_safetensors`)."""
-        from interlace.cluster.tensor_file import write_safetensors
 
         if self.local is not None:
             def write(tmp: str) -> None:
@@ -143,3 +148,70 @@ def _atomic(path: Path, write: Callable[[str], Any]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+def shard_tensors(store: SweepStore, name: str):
+    """A shard's tensors file, opened for ``get_slice(name)[a:b]`` / ``get_tensor(name)``: memory-mapped
+    when local, read by byte range (only the rows asked for) on an object store."""
+    if store.local is not None:
+        from safetensors import safe_open
+
+        return safe_open(store.local / name, framework="pt")
+    return _RangeTensors(store.open_input(name))
+
+class _RangeTensors:
+    """A ``.safetensors`` object read by byte ranges: its header once, then only the rows sliced."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        size = struct.unpack("<Q", handle.read_at(8, 0))[0]
+        self.header = json.loads(handle.read_at(size, 8))
+        self.header.pop("__metadata__", None)
+        self.base = 8 + size
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get_tensor(self, name: str):
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        return self._read(begin, end - begin, info["dtype"], info["shape"])
+
+    def get_slice(self, name: str) -> "_RangeSlice":
+        return _RangeSlice(self, name)
+
+    def _read(self, begin: int, nbytes: int, dtype: str, shape: list[int]):
+        import torch
+
+        torch_dtype = _dtypes().get(dtype)
+        if torch_dtype is None:
+            raise ValueError(f"safetensors dtype {dtype} is not one a sweep writes ({sorted(_dtypes())})")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        data = bytearray(self.handle.read_at(nbytes, self.base + begin))
+        return torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
+
+@dataclass
+class _RangeSlice:
+    tensors: _RangeTensors
+    name: str
+
+    def __getitem__(self, key: slice):
+        info = self.tensors.header[self.name]
+        shape, (begin, end) = info["shape"], info["data_offsets"]
+        if not isinstance(key, slice) or not shape:
+            raise TypeError(f"{self.name}: a remote sweep reads rows by a slice of the first dimension, got {key!r}")
+        start, stop, step = key.indices(shape[0])
+        if step != 1:
+            raise TypeError(f"{self.name}: slice rows with step 1, got {key!r}")
+        stop = max(stop, start)
+        row_bytes = (end - begin) // shape[0] if shape[0] else 0
+        return self.tensors._read(begin + start * row_bytes, (stop - start) * row_bytes, info["dtype"],
+                                  [stop - start, *shape[1:]])
+
+@cache
+def _dtypes() -> dict[str, Any]:
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

@@ -1,6 +1,6 @@
 """Every Prometheus metric interlace exports, named ``interlace_*``, in one registry.
 
-One registry per Serve application, held by its state deployment (:mod:`interlace.cluster.serve_state`):
+One registry per Serve application, held by its state deployment (:mod:`interlace.cluster.serve.state`):
 the ingress replicas record each request there and the engine replicas push their gauges, so one
 scrape of ``GET /metrics`` on Serve's HTTP port covers the whole cluster.
 """

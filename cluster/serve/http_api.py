@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from interlace.cluster.config import InlineTensor, OpSpec, Positions
+from interlace.core.trace import InvokeResult, TraceResult
 
 ROLES = ("ops", "code")
 SAFETENSORS_TYPE = "application/octet-stream"
@@ -211,7 +212,6 @@ def read_safetensors_body(body: bytes) -> tuple[TraceResponse, dict]:
 
 def decode_result(response: TraceResponse, tensors: dict | None = None):
     """A :class:`interlace.TraceResult` from a response (the client's side)."""
-    from interlace.trace import InvokeResult, TraceResult
 
     flat: dict[str, Any] = dict(response.values)
     if tensors is None and response.tensors:

@@ -41,3 +41,16 @@ def device_saves_bytes() -> int:
 def cpu_cores() -> list[int] | None:
     cores = os.environ.get("INTERLACE_CPU_CORES")
     return [int(c) for c in cores.split(",")] if cores else None
+
+
+MIN_SHM_BYTES = 4 << 30  # report folders go to /dev/shm only with at least this much free
+
+
+def fast_tmp_dir() -> str | None:
+    """Memory-backed /dev/shm for reports when it has room (containers often give it 64 MiB),
+    else the system's temporary folder."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return None
+    stats = os.statvfs(shm)
+    return str(shm) if stats.f_bavail * stats.f_frsize >= MIN_SHM_BYTES else None

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from interlace.cluster.metrics import ServeMetrics
+from interlace.cluster.serve.metrics import ServeMetrics
 
 
 class ServeState:

@@ -5,7 +5,7 @@ is initialised from a fixed seed, and both are written as an ordinary Hugging Fa
 vLLM and ``transformers`` load alike. The same seed always gives the same weights, so results are
 comparable across machines and runs.
 
-    >>> from interlace.tiny_models import ensure_tiny_model
+    >>> from interlace.core.tiny_models import ensure_tiny_model
     >>> path = ensure_tiny_model("tiny-llama")      # built once, then reused from the cache
 """
 
@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from interlace.settings import cache_dir
+from interlace.core.settings import cache_dir
 
 
 @dataclass(frozen=True)

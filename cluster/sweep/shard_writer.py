@@ -8,7 +8,7 @@ to disk on this node and never through the driver. The driver only gets a small 
 
 Files of shard k in a local output folder, each written under a temporary name and renamed into
 place, in this order (an object-store output names the first two per attempt instead, since it
-cannot rename: see :mod:`interlace.cluster.sweep_store`):
+cannot rename: see :mod:`interlace.cluster.sweep.store`):
 
 - ``shard-0000k.safetensors``: every save name's rows concatenated over the shard's prompts (in
   prompt id order), plus the shard's partial trace-shared values under ``__shared__/<name>``;
@@ -32,8 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from interlace.cluster.sweep_store import SweepStore, attempt_stem
-from interlace.cluster.tensor_file import joined_shape
+from interlace.cluster.merge import merge_values
+from interlace.cluster.replica import Replica
+from interlace.cluster.sweep.store import SweepStore, attempt_stem
+from interlace.cluster.sweep.tensor_file import joined_shape
+from interlace.core.trace import Invoke, check_ops, encode_payloads
+from interlace.core.wire import ShardTask
+from interlace.workers.points import ModuleTree
 
 SHARED_PREFIX = "__shared__/"
 SHARED_META = "interlace.shared"
@@ -90,8 +95,6 @@ class ShardRunner:
     def __init__(self, plan: bytes):
         import cloudpickle
 
-        from interlace.cluster.replica import Replica
-
         self.plan: RunPlan = cloudpickle.loads(plan)
         self.out = SweepStore(self.plan.output)
         self._loop = asyncio.new_event_loop()
@@ -124,9 +127,6 @@ class ShardRunner:
             loop.call_soon_threadsafe(loop.stop)
 
     def _check_ops(self, module_names: list[str]) -> str | None:
-        from interlace.trace import check_ops
-        from interlace.workers.points import ModuleTree
-
         try:
             check_ops(self.plan.ops, ModuleTree(names=module_names), self.plan.settings["max_tokens"])
         except (TypeError, ValueError, KeyError) as exc:
@@ -184,9 +184,6 @@ class ShardRunner:
         return len(ids), None
 
     def _run(self, rows: list[PromptRow], outcomes: dict[int, Outcome]) -> None:
-        from interlace.trace import Invoke, encode_payloads
-        from interlace.wire import ShardTask
-
         plan = self.plan
         invokes = [Invoke(r.prompt, plan.program, list(plan.ops), plan.steps) for r in rows]
         trace = f"{plan.sweep_id}-{uuid.uuid4().hex[:8]}"  # fresh per attempt: workers never see an old one's state
@@ -288,7 +285,7 @@ def write_shard(store: SweepStore, shard: int, rows: list[PromptRow], outcomes: 
 
 def _gather_saves(rows: list[PromptRow], outcomes: dict[int, Outcome]):
     """Each save name's rows over the shard's prompts, as a list of parts in prompt order (the
-    file joins them: :mod:`interlace.cluster.tensor_file`); a prompt whose saves cannot join the
+    file joins them: :mod:`interlace.cluster.sweep.tensor_file`); a prompt whose saves cannot join the
     others (not a tensor, another shape or dtype) fails with that reason. Failed prompts keep no
     saves."""
     parts: dict[str, list] = {}
@@ -384,8 +381,6 @@ def _shared_partials(rows: list[PromptRow], outcomes: dict[int, Outcome]):
 def _partial(values: list, how: str):
     import torch
 
-    from interlace.cluster.merge import merge_values
-
     kind = how.partition(":")[0]
     if kind == "mean":
         return merge_values(values, "sum")
@@ -398,8 +393,6 @@ def merge_partials(parts: list[tuple[str, Any, int]], how: str):
     """The sweep's value of one shared name from its shards' partials ``(how, value, count)``,
     in shard order."""
     import torch
-
-    from interlace.cluster.merge import merge_values
 
     values = [v for _, v, _ in parts]
     kind, _, arg = how.partition(":")

@@ -1,0 +1,8 @@
+"""What the user API, the cluster and the workers share, and which imports none of them.
+
+- :mod:`interlace.core.settings`: every ``INTERLACE_*`` environment setting, read in one place;
+- :mod:`interlace.core.trace`: the trace data model (invokes, results, errors) and its checks;
+- :mod:`interlace.core.wire`: the typed messages that cross process boundaries;
+- :mod:`interlace.core.ops`: declarative ops as data (public as ``interlace.ops``);
+- :mod:`interlace.core.tiny_models`: the embedded tiny models, built locally.
+"""
