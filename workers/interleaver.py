@@ -37,9 +37,9 @@ from interlace.workers.points import MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree,
 from interlace.workers.reporter import Reporter
 from interlace.workers.readonly import ReadOnlyTensor
 from interlace.workers.saves import HostRows, SaveLedger, TakenSaves, host_copy
-from interlace.workers.sharding import TensorParallelLayout
 from interlace.workers.sink import open_sink
 from interlace.workers.slots import SlotTable
+from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.view import ProgramView
 
 PAYLOAD_KEY = "interlace"
