@@ -1,5 +1,5 @@
 """What one agreement round costs: the all-reduce the TP ranks run on the host to compare
-programs' paths (Interleaver._agree_on_paths) and time-outs (_agree_on_time).
+programs' paths (tp_agreement.agree_on_paths) and time-outs (agree_on_time).
 
 A round is one gloo all-reduce (max) of 3 float64 per program call over the TP group's CPU
 group, the group vLLM builds for host-side collectives. A program step under TP runs one round

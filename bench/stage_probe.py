@@ -43,7 +43,7 @@ def _install(worker, check_syncs: bool = False) -> int:
 
     import torch
 
-    from interlace.workers import interleaver, saves, taps
+    from interlace.workers import dispatch, interleaver, reports, saves, step_schedule, taps
 
     if getattr(worker, "_stage_probe", None) is not None:
         return os.getpid()
@@ -88,15 +88,15 @@ def _install(worker, check_syncs: bool = False) -> int:
     timed(type(worker), "execute_model", "rank: execute_model", step=True)
     timed(type(worker), "sample_tokens", "rank: sample_tokens")
     timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
-    timed(interleaver.Interleaver, "_dispatch", "interleaver.hooks")
+    timed(dispatch.PointDispatcher, "dispatch", "interleaver.hooks")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
     timed(interleaver.Interleaver, "finish", "interleaver.finish")
-    timed(interleaver.Interleaver, "_submit", "  finish: a held batch handed over")
+    timed(reports.ReportBatcher, "submit", "  finish: a held batch handed over")
     timed(saves.SaveLedger, "take", "  finish: ledger.take")
-    timed(interleaver, "_write_reports", "reporter: a batch written")
+    timed(reports, "_write_reports", "reporter: a batch written")
     timed(saves.TakenSaves, "assemble", "  reporter: gather and copy")
     timed(taps.Taps, "fill", "  begin_step: taps.fill")
-    timed(interleaver.Interleaver, "_schedule_afresh", "  begin_step: batch built afresh")  # a new epoch
+    timed(step_schedule.StepScheduler, "_schedule_afresh", "  begin_step: batch built afresh")  # a new epoch
     for phase in ("prepare_inputs", "sample", "postprocess_sampled"):  # vLLM's own (V2 runner names)
         timed(type(worker.model_runner), phase, f"vllm: {phase}")
     return os.getpid()

@@ -278,7 +278,7 @@ def install_probes() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
     from interlace import model as driver_model
-    from interlace.workers import calls, interleaver, ops, report_file, saves
+    from interlace.workers import calls, dispatch, interleaver, ops, report_file, reports, saves, step_schedule
 
     time_steps(Worker)
     take = saves.DeviceRoom.take
@@ -324,9 +324,9 @@ def install_probes() -> None:
 
     timed(LlamaForCausalLM, "forward", "  vllm: model forward (hooks included)", debug_sync=False)
     timed(interleaver.Interleaver, "begin_step", "interleaver.begin_step")
-    timed(interleaver.Interleaver, "_dispatch", "interleaver.hooks")
-    timed(interleaver.Interleaver, "_schedule", "  begin_step: schedule (arrays)")
-    timed(interleaver.Interleaver, "_program_groups", "  begin_step: program groups")
+    timed(dispatch.PointDispatcher, "dispatch", "interleaver.hooks")
+    timed(step_schedule.StepScheduler, "schedule", "  begin_step: schedule (arrays)")
+    timed(step_schedule.StepScheduler, "program_groups", "  begin_step: program groups")
     timed(ops.OpPlan, "for_step", "  begin_step: op plans")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
     end_step = interleaver.Interleaver.end_step
@@ -345,7 +345,7 @@ def install_probes() -> None:
     timed(saves, "host_copy", "saves.host_copy")
     timed(saves.SaveLedger, "take", "reports: ledger.take")
     timed(saves.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
-    timed(interleaver, "_write_reports", "reports: a batch, header and copies included (reporter)", debug_sync=False)
+    timed(reports, "_write_reports", "reports: a batch, header and copies included (reporter)", debug_sync=False)
     timed(report_file.ReportFileWriter, "allocate", "  gather: region of the data file", debug_sync=False)
     timed(saves, "_plan", "  gather: plan", debug_sync=False)
     timed(saves, "_copy", "  gather: copies", debug_sync=False)
@@ -415,16 +415,16 @@ def _ablate_keep():
 
 def _ablate_ops():
     """Declarative ops do nothing at their hooks (the hooks, schedules and plans stay)."""
-    from interlace.workers import interleaver
+    from interlace.workers import dispatch
 
-    return _switched_off(interleaver.Interleaver, "_apply_op", lambda *args, **kwargs: None)
+    return _switched_off(dispatch.PointDispatcher, "_apply_op", lambda *args, **kwargs: None)
 
 
 def _ablate_dispatch():
     """Hooks return at once (begin_step still schedules, plans, and starts programs)."""
-    from interlace.workers import interleaver
+    from interlace.workers import dispatch
 
-    return _switched_off(interleaver.Interleaver, "_dispatch", lambda self, step, module, family, hooked: hooked)
+    return _switched_off(dispatch.PointDispatcher, "dispatch", lambda self, step, module, family, hooked: hooked)
 
 
 def _ablate_step():
@@ -456,12 +456,12 @@ def _blocking_cuda_sync() -> None:
 def _variant(name: str):
     """A context for one --ab variant: the default (pinned report files on a GPU), or one part
     changed: pageable report files, no reserving ahead, or saves made but not kept."""
-    from interlace.workers import interleaver, report_file
+    from interlace.workers import report_file, reports
 
     if name == "pageable":
         return _switched_off(report_file._Cudart, "get", classmethod(lambda cls: None))
     if name == "no-reserve":
-        return _switched_off(interleaver, "RESERVE_MIN", 1 << 62)
+        return _switched_off(reports, "RESERVE_MIN", 1 << 62)
     if name == "no-keep":
         return _ablate_keep()
     return contextlib.nullcontext()
@@ -564,20 +564,20 @@ def main() -> None:
     if args.ab:
         ab(model, data, args, cases)
         return
-    from interlace.workers import interleaver
+    from interlace.workers import reports
 
     import torch
 
     threads = torch.get_num_threads()
-    variants = [("", interleaver.RESERVE_MIN, threads, None)]
+    variants = [("", reports.RESERVE_MIN, threads, None)]
     variants += [(" (no reserving ahead)", 1 << 62, threads, None)] if args.reserve_ab else []
-    variants += [(f" (torch threads {args.threads_ab})", interleaver.RESERVE_MIN, args.threads_ab, None)] if args.threads_ab else []
-    variants += [(f" (ablated: {name})", interleaver.RESERVE_MIN, threads, name) for name in args.ablate]
+    variants += [(f" (torch threads {args.threads_ab})", reports.RESERVE_MIN, args.threads_ab, None)] if args.threads_ab else []
+    variants += [(f" (ablated: {name})", reports.RESERVE_MIN, threads, name) for name in args.ablate]
     for name in ([] if args.no_baseline else ["none"]) + args.cases.split(","):
         case, _, where = name.partition("@")
         SAVES_ON_HOST[0] = where == "host"
         for (variant, reserve_min, torch_threads, ablation), warm in [(v, w) for w in (True, False) for v in variants]:
-            interleaver.RESERVE_MIN = reserve_min
+            reports.RESERVE_MIN = reserve_min
             torch.set_num_threads(torch_threads)
             ablated = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
             TOTALS.clear(), CPU_TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear(), EVENTS.clear(), STEP_STARTS.clear()

@@ -34,7 +34,7 @@ def test_saves_arrive_from_an_in_process_engine():
             # Reports of a trace's invokes that finish in different steps are held and written as
             # one batch; with no time to wait, one batch per step. The invoke admitted meanwhile
             # must not get a held invoke's rows: each prompt's saves equal those of a trace of its own.
-            from interlace.workers import interleaver, sink
+            from interlace.workers import reports, sink
             batches = []
             write_batch = sink.DirSink.batch
             sink.DirSink.batch = lambda self, trace, stage: batches.append(trace) or write_batch(self, trace, stage)
@@ -44,7 +44,7 @@ def test_saves_arrive_from_an_in_process_engine():
             batches.clear()
             results = {}
             for hold in (60.0, 0.0):
-                interleaver.REPORT_HOLD_S = hold
+                reports.REPORT_HOLD_S = hold
                 with model.trace(max_tokens=2, ignore_eos=True) as tr:
                     for prompt in prompts:
                         tr.invoke(prompt, ops=saves)

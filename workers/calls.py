@@ -24,7 +24,7 @@ Under tensor parallelism every rank runs the same program on the same values, an
 accesses enter a collective (a value split across ranks is gathered whole). A rank that stopped
 a program on its own clock would skip a collective the other ranks enter, and the group would
 hang. So with ``local_limits=False`` (TP > 1) no rank acts on its own clock within a step: the
-ranks agree on each call's time at the step's end (Interleaver._agree_on_time, carried by the
+ranks agree on each call's time at the step's end (tp_agreement.agree_on_time, carried by the
 step's last agreement round on the host), a program past its limit is stopped there, and a
 budget spent in an earlier step stops it at its start, identically on every rank. Within a step
 only the last resort acts alone, and it ends the process (every rank's program is past its
@@ -33,7 +33,7 @@ deadline by then; the group dies together instead of hanging).
 The same holds for the program's own path: the ranks run the same bytes on the same values, but
 a program can still consult something rank-local (the clock, the process id, a file, a device
 error on one GPU). The interleaver compares each call's next move across the group before it
-enters any collective for it (Interleaver._agree_on_paths), and a call that went different
+enters any collective for it (tp_agreement.agree_on_paths), and a call that went different
 ways is stopped on every rank (:meth:`ProgramCall.stop`). Under pipeline parallelism a later stage replays an
 earlier stage's accesses; each replayed access is checked against the one logged there.
 """
@@ -108,7 +108,7 @@ class ProgramCall:
         self.log_points: list = list(self.replay_points)
         self._accesses = 0
         self.used_s = 0.0  # time the program ran in this call (engine time not counted)
-        self.agreed_s = 0.0  # under TP: the most any rank of the group counted (see Interleaver._agree_on_time)
+        self.agreed_s = 0.0  # under TP: the most any rank of the group counted (see tp_agreement.agree_on_time)
         self.waiting_for: Point | _Finished | None = None  # what the program needs next
         self.error: dict | None = None
         self.timed_out = False  # past its budget (set by the watchdog, or by the engine between switches)

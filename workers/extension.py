@@ -33,7 +33,7 @@ class InterlaceWorkerExtension:
     def interlace_replays(self) -> int:
         """Chunks this rank has replayed ops on since start-up: rows vLLM recomputed after
         preempting a request (KV cache pressure)."""
-        return self.model_runner._interlace.replays
+        return self.model_runner._interlace.scheduler.replays
 
     def interlace_step_counts(self) -> dict:
         """This rank's ``graph_steps``: on a compiled engine, the steps since start-up that replayed

@@ -41,7 +41,7 @@ class StepOp:
     recorded: bool = False  # its bits are set already (a plan keeps its StepOp for an epoch's steps)
 
 
-# Epochs (see interleaver.Scheduled) whose per-epoch work is kept. Under pipeline parallelism vLLM
+# Epochs (see states.Scheduled) whose per-epoch work is kept. Under pipeline parallelism vLLM
 # keeps pp_size + 1 batches in flight and their steps take turns on every stage: keeping only the
 # last epoch's would redo each batch's work at every step (bench/stage_probe.py, PP=2, 2026-11-27).
 # 8 covers the batches of PP up to 4 with room for the prefill steps between (each its own epoch).

@@ -62,10 +62,9 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         return result
 
     setattr(runner, sample_fn, sample_with_slot)
-    inter = Interleaver(runner.model, samples_slot, rank, all_modules, runner.model_config.get_hidden_size())
+    inter = Interleaver(runner.model, samples_slot, rank, all_modules, runner.model_config.get_hidden_size(),
+                        agree_max=_max_over(get_tp_group().cpu_group) if rank["tp_size"] > 1 else None)
     inter.vocab_size = runner.model_config.get_vocab_size()
-    if rank["tp_size"] > 1:
-        inter.agree_max = _max_over(get_tp_group().cpu_group)
     captured = {}
 
     if is_v2:  # V2 builds a fresh InputBatch each step: keep the one the forward will use
@@ -110,7 +109,7 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         for new in scheduler_output.scheduled_new_reqs:
             payload = _payload(new)
             # V2 drops a preempted request's state and adds it again as new when it resumes; its
-            # invoke keeps its state here, so the rows recomputed are replayed (Interleaver._schedule)
+            # invoke keeps its state here, so the rows recomputed are replayed (StepScheduler.schedule)
             # as on V1, which resumes it in place.
             if payload is not None and new.req_id not in inter.invokes:
                 _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload)

@@ -17,9 +17,9 @@ anyway fails with a message naming the fix.
 When the KV cache runs short, vLLM preempts the running request that came last (first-come
 first-served) and recomputes it later. Declarative ops and plain requests come through that
 exactly (ops are replayed on the recomputed rows); a program's cannot, so its invoke fails
-(interleaver.py, ``_schedule``). So requests with a program go first in vLLM's running queue:
-vLLM preempts them only when no other running request is left to preempt. (Under vLLM's
-``priority`` policy the user's priorities decide, as they would without interlace.)
+(step_schedule.py, ``StepScheduler.schedule``). So requests with a program go first in vLLM's
+running queue: vLLM preempts them only when no other running request is left to preempt. (Under
+vLLM's ``priority`` policy the user's priorities decide, as they would without interlace.)
 
 Selected with ``scheduler_cls="interlace.workers.scheduler.make_scheduler"``; it subclasses
 whichever scheduler vLLM would have used (async scheduling keeps working).

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from interlace.workers.points import ModuleTree, device_index
-from interlace.workers.sharding import ends_in_reduction
+from interlace.workers.tensor_parallel import ends_in_reduction
 
 _TAPS: "Taps | None" = None  # this process's taps (one model per vLLM worker process)
 _EDITED, _MUL, _ROW, _SETS, _AFTER = range(5)  # the columns of a tap's control rows

@@ -73,7 +73,7 @@ class Report:
 
     @classmethod
     def from_worker(cls, report: dict, trace: str | None = None, attempt: int = 0) -> "Report":
-        """A worker's report dict (workers/interleaver.py ``_report_of``) as a typed report;
+        """A worker's report dict (workers/reports.py ``_report_of``) as a typed report;
         ``trace`` renames it (a cluster shard's workers know it by the shard's own id)."""
         return cls(trace or report["trace"], report["invoke"], report["stage"], attempt, report["saves"],
                    [tuple(s) for s in report["shared"]], ErrorRecord.from_worker(report["error"]))

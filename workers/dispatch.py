@@ -1,0 +1,230 @@
+"""Dispatch at points: what happens when the forward pass reaches a hooked module.
+
+At each hook, :class:`PointDispatcher` applies the step's ops there (each one indexed tensor
+operation for all its invokes), then hands the value to the programs waiting there, in invoke
+order, and writes back what they changed (an assignment, or an in-place edit of a copy) before the
+hook returns. A program resumed may send a value another is waiting for (``pump``); under TP the
+ranks agree on every call's next move before anything is gathered for it (``settle``, with
+tp_agreement.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from interlace.workers.calls import ProgramCall, error_record
+from interlace.workers.hooks import HookSet
+from interlace.workers.holds import Held, versions
+from interlace.workers.ops import StepOp, apply as apply_op
+from interlace.workers.pipeline import HERE, StageMap
+from interlace.workers.points import MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, short_name
+from interlace.workers.readonly import ReadOnlyTensor
+from interlace.workers.slots import SlotTable
+from interlace.workers.states import CallContext, Step
+from interlace.workers.tensor_parallel import TensorParallelLayout
+from interlace.workers.tp_agreement import agree_on_paths
+
+
+class PointDispatcher:
+    """Runs a step's ops and programs at each hooked module (the interleaver's on_point)."""
+
+    def __init__(self, tree: ModuleTree, tp: TensorParallelLayout, stages: StageMap, hooks: HookSet, taps,
+                 slots: SlotTable, save_rows: Callable[..., None],
+                 agree_max: Callable[[np.ndarray], np.ndarray] | None):
+        """The interleaver's own parts, shared (``taps``: its graph taps, or None). ``save_rows``:
+        how an op's saved rows are kept (the interleaver's ``_save_rows``: limits, ledger, report
+        file); ``agree_max``: under TP > 1, the max over the group for agreement rounds (None: none)."""
+        self.tree = tree
+        self.tp = tp
+        self.stages = stages
+        self.hooks = hooks
+        self.taps = taps
+        self.slots = slots
+        self.save_rows = save_rows
+        self.agree_max = agree_max
+
+    def dispatch(self, step: Step, module: str, family: str, hooked: Any) -> Any:
+        """Apply the step's ops at this hook, then run the programs waiting here; returns the
+        (possibly rewritten) value."""
+        kinds = ("input",) if family == "input" else (("output", "resid", "final") if module else (family,))
+        access = PointAccess(hooked, step.layout)
+        for point, step_op in step.ops.get((module, family), ()):
+            self._apply_op(step, point, access, step_op)
+        delivered: list[tuple[ProgramCall, CallContext]] = []
+        try:
+            while step.calls:
+                ready = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.module == module
+                         and c.waiting_for.kind in kinds]
+                if not ready:
+                    break
+                for call, ctx in ready:
+                    if call.waiting_for.module == module and call.waiting_for.kind in kinds and not call.done:
+                        delivered.append((call, ctx))
+                        self._deliver(call, ctx, call.waiting_for, access)
+                        self.pump(step)
+                self.settle(step)
+        finally:  # the hook returns: from here on, writes to what it handed out would be lost
+            for call, ctx in delivered:
+                ctx.holds.close(None if call.done else call.waiting_for, call.done)
+        return access.result()
+
+    def _apply_op(self, step: Step, point: Point, access: PointAccess, step_op: StepOp) -> None:
+        op = step_op.op
+        rows = step.rows_at(step_op.rows, access.device)
+        split = self.tp.split(point.module, point.kind)
+        try:  # on one tensor: a tuple output's first (vLLM's linear layers return (out, bias))
+            value = _gather(split, access.read_tensor(point, rows))
+            if op["op"] == "save":
+                self.save_rows(step_op.invokes, step_op.slots, [(op.get("name") or op["point"], value)],
+                               step_op.starts, step_op.stops, fresh=split is not None or access.is_copy(point, rows))
+            else:
+                access.write_tensor(point, rows, _local(split, apply_op(op, value)))
+        except Exception as exc:  # noqa: BLE001
+            for inv in step_op.invokes:
+                inv.fail(error_record(exc, where=f"op {op['op']} at {point}"))
+
+    def take_tapped(self, tapped: list[tuple[Point, StepOp]], memo: dict) -> None:
+        """The saves that ran in taps: their rows, from the taps' buffers (read before the next
+        forward). Saves of the same rows (a sweep saving 4 layers' last token) are one gather and
+        one ledger entry per step: this runs on the engine thread between graph replays of about
+        3 ms (the 1B shape on an H100), where each save's own gather and bookkeeping added up."""
+        last = memo.get("tapped groups")
+        if last is None or (last[0] is not tapped and (len(last[0]) != len(tapped)
+                                                      or not all(a[1] is b[1] for a, b in zip(last[0], tapped)))):
+            last = memo["tapped groups"] = (tapped, self.taps.save_groups(tapped))
+        for group in last[1]:
+            try:
+                values = group.gather(self.taps.saved)
+                self.save_rows(group.invokes, group.slots, list(zip(group.names, values)), group.starts, group.stops,
+                               fresh=True)
+            except Exception as exc:  # noqa: BLE001
+                for inv in group.invokes:
+                    inv.fail(error_record(exc, where=f"op save at {group.where}"))
+
+    def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
+        split = self.tp.split(point.module, point.kind)
+        try:
+            rows = self._rows_for(point, ctx)
+            value = access.read(point, rows)
+            if split is not None:
+                with torch.inference_mode(False):  # a normal tensor: its version counter shows edits
+                    value = _gather(split, value)
+        except Exception as exc:  # noqa: BLE001 - e.g. resid on a module that is not a layer
+            call.cancel(f"cannot read {point}: {exc}")
+            return
+        copy = split is not None or access.is_copy(point, rows)
+        ctx.holds.live.append(Held(point, value, versions(value), access, rows, split, copy))
+        call.resume(value)
+        self.after_resume(call, ctx)
+
+    def _rows_for(self, point: Point, ctx: CallContext) -> Rows:
+        return ctx.request_rows if point.kind in ROW_PER_REQUEST_KINDS else ctx.token_rows
+
+    def after_resume(self, call: ProgramCall, ctx: CallContext) -> None:
+        if ctx.holds.live or call.view._pending_write is not None:
+            self._write_back(call, ctx)
+        if ctx.holds.late:
+            self.refuse_late_edits(call, ctx)
+        point = call.waiting_for
+        if not call.done and point.module != MAILBOX and not point.kind.startswith("param:") \
+                and self.stages.where(point) == HERE:
+            self.hooks.want(point, owner=ctx.invokes[0].req_id)
+
+    def _write_back(self, call: ProgramCall, ctx: CallContext) -> None:
+        """After the program ran: write what it changed of the values whose hook runs now, its
+        copies edited in place and then its assignment, however many times it waited since it
+        read them (e.g. a receiver woken at this hook by the sender's send)."""
+        try:
+            for held in ctx.holds.live:
+                if held.copy:
+                    now = versions(held.value)
+                    if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
+                        held.access.write(held.point, held.rows, _local(held.split, held.value))
+                        held.versions = now
+                        call.writes += 1
+            write = call.view._take_write()
+            if write is not None:
+                point, value = write
+                held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
+                held.access.write(point, held.rows, _local(held.split, value))
+                call.writes += 1
+        except Exception as exc:  # noqa: BLE001
+            call.error = call.error or error_record(exc, where=f"writing {call.view.where()}")
+
+    def refuse_late_edits(self, call: ProgramCall, ctx: CallContext) -> None:
+        """Fail a program that edited a copy whose hook had returned: the edit cannot reach the
+        model, and a program that goes on as if it had would be silently wrong."""
+        late = ctx.holds.late_edit(call.done)
+        if late is not None:
+            call.error = call.error or error_record(RuntimeError(late), where=call.view.where())
+            call.cancel(late)
+
+    def close_call(self, call: ProgramCall, ctx: CallContext) -> None:
+        if call.error is not None:
+            for inv in ctx.invokes:
+                inv.fail(call.error)
+        slots = ctx.members.slots
+        used = call.used_s if call.local_limits else call.agreed_s  # under TP, the time every rank counts
+        self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - used)
+
+    def pump(self, step: Step) -> None:
+        """Resume receivers whose value has been sent, until nothing more can move."""
+        moved = True
+        while moved:
+            moved = False
+            for call, ctx in step.calls:
+                waiting = call.waiting_for
+                if waiting is None or call.done or waiting.module != MAILBOX:
+                    continue
+                key = (ctx.invokes[0].trace, waiting.kind)
+                if key in step.mailbox:
+                    call.resume(step.mailbox[key])
+                    self.after_resume(call, ctx)
+                    moved = True
+
+    def settle(self, step: Step) -> None:
+        """Under TP, after programs ran: agree on where each call goes next, then serve the
+        parameter reads every rank agrees on (each a gather), until none is left."""
+        if self.agree_max is None or not step.calls:
+            return
+        while True:
+            agree_on_paths(step, self.agree_max)
+            reading = [(c, x) for c, x in step.calls if not c.done and c.waiting_for.kind.startswith("param:")
+                       and self.tree.modules.get(c.waiting_for.module) is not None]
+            if not reading:
+                return
+            for call, ctx in reading:
+                self._deliver_parameter(call, ctx)
+                self.pump(step)
+
+    def _deliver_parameter(self, call: ProgramCall, ctx: CallContext) -> None:
+        """Hand a program a parameter every TP rank agreed it reads (gathered when split)."""
+        point = call.waiting_for
+        try:
+            value = ReadOnlyTensor.of(self.tp.full_parameter(point.module, point.kind[len("param:"):]))
+        except Exception as exc:  # noqa: BLE001
+            call.cancel(f"cannot read {short_name(point.module)}.{point.kind[len('param:'):]}: {exc}")
+            return
+        call.resume(value)
+        self.after_resume(call, ctx)
+
+
+def _gather(split, value: Any) -> Any:
+    """The full value under tensor parallelism (a module's tuple output: its first tensor)."""
+    if split is None:
+        return value
+    if isinstance(value, tuple):
+        return (split.gather(value[0]), *value[1:])
+    return split.gather(value)
+
+
+def _local(split, value: Any) -> Any:
+    """This rank's piece of a full value written by a program or an op."""
+    if split is None:
+        return value
+    if isinstance(value, tuple):
+        return (split.local(value[0]), *value[1:])
+    return split.local(value)

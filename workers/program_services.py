@@ -1,0 +1,181 @@
+"""The program-facing API: what a program's ``m`` asks of the interleaver while it runs.
+
+ProgramView (view.py) calls these back through its call's ``CallContext.services``: saves, shared
+contributions, messages between a trace's invokes, parameters; the watchdog (calls.py) calls
+``last_words``. They run on the engine thread, switched in from a program (calls.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from interlace.workers.calls import ProgramCall
+from interlace.workers.points import MAILBOX, ModuleTree, Point, short_name
+from interlace.workers.readonly import ReadOnlyTensor
+from interlace.workers.reports import ReportBatcher, write_now
+from interlace.workers.saves import HostRows, SaveLedger, host_copy
+from interlace.workers.slots import SlotTable
+from interlace.workers.states import CallContext, InvokeState, Step
+from interlace.workers.tensor_parallel import TensorParallelLayout
+
+
+class ProgramServices:
+    """The services a program's ``m`` calls: a mixin of :class:`~interlace.workers.interleaver.Interleaver`.
+
+    A mixin, not an object of its own: ``CallContext.services`` is the interleaver (ProgramView
+    also reads its ``device`` and ``vocab_size`` there, and the watchdog calls ``last_words`` on
+    it), and these methods read its live state, which changes under them: the current step and
+    its mailbox, the live invokes, the slot table. An object of their own would need a reference
+    back to the interleaver for all of it. The attributes below are the interleaver's that these
+    methods read.
+    """
+
+    step: Step | None
+    invokes: dict[str, InvokeState]
+    rank: dict
+    tree: ModuleTree
+    tp: TensorParallelLayout
+    slots: SlotTable
+    ledger: SaveLedger
+    reports: ReportBatcher
+    agree_max: Callable[[np.ndarray], np.ndarray] | None
+
+    def last_words(self, ctx: CallContext, record: dict) -> None:
+        """Report ``record`` as the error of the call's invokes, now, from the watchdog's thread:
+        the process is about to end (calls.py's last resort), so nothing else will report them."""
+        for state in ctx.invokes:
+            state.error = None
+            state.fail(record)
+        write_now(ctx.invokes, self.rank["pp_rank"])
+
+    def save(self, ctx: CallContext, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            self._save_rows(ctx.invokes, ctx.members.slots, [(name, value)], *_split_rows(ctx, value, "save"))
+            return
+        if isinstance(value, torch.Tensor):  # a scalar: kept whole (a batched call needs rows)
+            _split_rows(ctx, value, "save")
+            value = value.detach().to("cpu", copy=True)
+        for inv in ctx.invokes:
+            inv.saves.setdefault(name, []).append(value)
+
+    def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, named: list[tuple[str, torch.Tensor]],
+                   starts: np.ndarray, stops: np.ndarray, fresh: bool = False) -> None:
+        """Record each ``(name, value)`` once for the whole group (invoke i owns rows
+        ``starts[i]:stops[i]`` of every value); ``fresh``: copies made for this save (an op's
+        gathered rows), kept without another copy.
+
+        The engine never waits here: rows stay on the device or are copied asynchronously (see
+        saves.py). Every TP rank checks the limit, so an over-limit save fails the same way
+        everywhere; only the rank that reports keeps the rows.
+        """
+        row_bytes = sum(math.prod(value.shape[1:]) * value.element_size() for _name, value in named)
+        used = self.slots.save_used[slots] + (stops - starts) * row_bytes
+        over = used > self.slots.save_limit[slots]
+        if over.any():
+            inv = invokes[int(np.flatnonzero(over)[0])]
+            raise MemoryError(
+                f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
+                f"{_human_bytes(inv.max_save_bytes)} (raise max_save_bytes, or save less: "
+                "e.g. m.last(x) or a reduction)"
+            )
+        self.slots.save_used[slots] = used
+        if self.rank["tp_rank"] == 0:
+            self.ledger.add(invokes[0].trace, named, slots, starts, stops, fresh)
+            self.reports.reserve_ahead(invokes[0], len(named[0][1]) * row_bytes)
+
+    def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
+        if isinstance(value, torch.Tensor):
+            starts, stops = _split_rows(ctx, value, "share")
+            if self.rank["tp_rank"] != 0:  # only TP rank 0 reports
+                return
+            rows, ready, _ = host_copy(value)
+            parts = [HostRows(rows, ready, a, b) for a, b in zip(starts.tolist(), stops.tolist())]
+        elif len(ctx.invokes) == 1:
+            parts = [value]
+        else:
+            raise ValueError(f"share() in a batched call over {len(ctx.invokes)} invokes needs a tensor to split per invoke")
+        for inv, part in zip(ctx.invokes, parts):
+            inv.shared.append((name, merge, part))
+
+    def send(self, ctx: CallContext, name: str, value: Any) -> None:
+        trace = ctx.invokes[0].trace
+        self.step.mailbox[(trace, name)] = value
+
+    def recv(self, ctx: CallContext, name: str, call: ProgramCall) -> Any:
+        """The value sent as ``name`` in this step (the view makes this one access of the call)."""
+        key = (ctx.invokes[0].trace, name)
+        if key in self.step.mailbox:
+            return self.step.mailbox[key]
+        return call.wait_at(Point(MAILBOX, name))  # resumed by PointDispatcher.pump once someone sends it
+
+    def is_parameter(self, module: str, name: str) -> bool:
+        mod = self.tree.modules.get(module)
+        if mod is None:  # runs on another pipeline stage: weight and bias are its parameters
+            return module in self.tree.modules and name in ("weight", "bias")
+        return name in mod._parameters
+
+    def parameter(self, module: str, name: str, call: ProgramCall) -> torch.Tensor | None:
+        """A parameter as the unsharded model has it (gathered across TP ranks when split).
+        Under PP it is an access like a point's: read on the stage that owns the module."""
+        if self.tree.modules.get(module) is not None:  # read-only: every request shares the weights
+            if self.agree_max is not None and self.tp.gathers_parameter(module, name):
+                # a gather: once the ranks agree (PointDispatcher.settle)
+                return call.wait_at(Point(module, f"param:{name}"))
+            return ReadOnlyTensor.of(self.tp.full_parameter(module, name))
+        return call.wait_at(Point(module, f"param:{name}"))  # a later stage reads it
+
+    def _unreached(self, call: ProgramCall) -> str:
+        point = call.waiting_for
+        after = call.view._current or "the start of the step"
+        if point.kind.startswith("param:"):
+            return (
+                f"{short_name(point.module)}.{point.kind[6:]} belongs to an earlier pipeline stage, and "
+                f"this program read it after {after}, which runs on a later stage. Read parameters "
+                "before the first access to a later layer's point (they are then carried along)"
+            )
+        return (
+            f"{point} was not reached after {after}: it comes earlier in the forward pass than the "
+            "previous access (accesses within a step must follow the forward order), or it does "
+            "not run on this model"
+        )
+
+    def _unsent(self, ctx: CallContext, name: str) -> str:
+        trace = ctx.invokes[0].trace
+        present = sorted(inv.invoke for inv in self.invokes.values()
+                         if inv.trace == trace and inv.req_id in self.step.layout.req_ids)
+        sent = sorted(n for t, n in self.step.mailbox if t == trace)
+        return (
+            f"recv({name!r}) at {ctx.step_words()}: no invoke of this trace sent {name!r} in this "
+            f"step (names sent in this step: {sent}). Invokes of the trace scheduled in this step: "
+            f"{present}. The sender must be scheduled in the same step as the receiver (prompts "
+            "that fit one step together are) and call send() with the same name in that step."
+        )
+
+
+def _split_rows(ctx: CallContext, value: torch.Tensor, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each invoke's rows ``starts[i]:stops[i]`` of a call's tensor (by token rows, or one row
+    per invoke)."""
+    n = len(ctx.invokes)
+    if n == 1:
+        return np.zeros(1, np.int64), np.array([value.shape[0] if value.dim() else 1], np.int64)
+    if value.dim() >= 1:
+        if value.shape[0] == ctx.num_rows:
+            return ctx.local_starts, ctx.local_stops
+        if value.shape[0] == n:  # one row per invoke, kept 2-D as a single invoke's call would
+            return np.arange(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)
+    raise ValueError(
+        f"{what}() in a batched call over {n} invokes needs a tensor whose first dim is the "
+        f"call's {ctx.num_rows} token rows or its {n} invokes (got shape {tuple(value.shape)})"
+    )
+
+
+def _human_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at 1 or more ("64 KiB", "1.5 GiB")."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.4g} {unit}"
+        n /= 1024

@@ -1,0 +1,169 @@
+"""Report writing: what this rank reports for its finished invokes, and when.
+
+An invoke's report carries its saves (rows kept by the SaveLedger, values that are not rows),
+its shared contributions and its error. :class:`ReportBatcher` holds a trace's finished invokes
+until the rest of it finishes, then hands them to the reporter thread (reporter.py) as one batch,
+and keeps the trace's report data file reserved ahead of its saves (report_file.py); the
+module-level ``_write_*`` functions run on that thread and write through the trace's sink.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from interlace.workers.calls import error_record
+from interlace.workers.reporter import Reporter
+from interlace.workers.saves import HostRows, SaveLedger, TakenSaves
+from interlace.workers.sink import open_sink
+from interlace.workers.slots import SlotTable
+from interlace.workers.states import InvokeState
+
+RESERVE_MIN = 16 << 20  # a trace saving less is reserved when it is reported (see ReportBatcher.reserve_ahead)
+REPORT_HOLD_S = 0.05  # how long finished invokes' reports wait for the rest of their trace (see ReportBatcher.report)
+
+
+class ReportBatcher:
+    """Hands finished invokes' reports to the reporter thread, one batch per trace (on TP rank 0,
+    which alone reports for its group; every pipeline stage reports its own)."""
+
+    def __init__(self, ledger: SaveLedger, slots: SlotTable, reporter: Reporter, stage: int):
+        """``ledger``, ``slots``, ``reporter``: the interleaver's own, shared; ``stage``: this
+        rank's pipeline stage, which its reports carry."""
+        self.ledger = ledger
+        self.slots = slots
+        self.reporter = reporter
+        self.stage = stage
+        self.held: dict[tuple[str, str], _HeldReports] = {}  # (sink, trace) -> reports waiting for the rest (report)
+        self._reserving: dict[tuple[str, str], tuple[int, int]] = {}  # (sink, trace) -> bytes saved, reserved
+
+    def report(self, finished: list[InvokeState], live_invokes: Iterable[InvokeState]) -> None:
+        """Hand the finished invokes' reports to the reporter thread, one batch per (sink, trace).
+
+        A trace's invokes often finish a step or two apart (those admitted a step later). Their
+        reports are held until the trace's last invoke on this rank finishes, or for at most
+        REPORT_HOLD_S, and written as one batch: one take from the ledger, one plan, one region
+        and one header, not one of each per step. (Each invoke keeps its slot meanwhile, so no
+        invoke admitted since can be given its number and its rows.) Written at once, the first
+        batch's gathering ran on the reporter thread during the trace's last steps, slowing them
+        (Python contends for the GIL), and the next waited behind it: 55-70 ms from the last step
+        to the results on an H100 host, for 512 MiB saved in three batches (bench/step_probe.py,
+        2026-11-26). ``live_invokes``: the invokes still running on this rank."""
+        live = {(state.sink, state.trace) for state in live_invokes}
+        for state in finished:
+            key = (state.sink, state.trace)
+            self.held.setdefault(key, _HeldReports(time.monotonic())).states.append(state)
+        for key in {(state.sink, state.trace) for state in finished} - live:  # this rank's last batch of the trace
+            self._reserving.pop(key, None)
+            self.submit(key, last=True)
+
+    def submit_held(self) -> None:
+        """Hand over the held reports that have waited REPORT_HOLD_S."""
+        before = time.monotonic() - REPORT_HOLD_S
+        for key in [key for key, held in self.held.items() if held.since <= before]:
+            self.submit(key, last=False)
+
+    def submit(self, key: tuple[str, str], last: bool) -> None:
+        states = self.held.pop(key).states
+        taken = self.ledger.take(key[1], [state.slot for state in states])
+        for state in states:  # the ledger has let go of their rows: the numbers may go to new invokes
+            self.slots.remove(state.slot)
+        stage = self.stage
+        reports = [_report_of(state, stage) for state in states]
+        self.reporter.submit(functools.partial(_write_reports, *key, stage, reports, taken,
+                                               [state.saves for state in states], last))
+
+    def reserve_ahead(self, state: InvokeState, nbytes: int) -> None:
+        """Keep the trace's report data file reserved ahead of its saves (see report_file.py): a
+        job for the reporter thread each time the saves grow by a quarter, from RESERVE_MIN on."""
+        key = (state.sink, state.trace)
+        saved, reserved = self._reserving.get(key, (0, 0))
+        saved += nbytes
+        if saved >= max(reserved, RESERVE_MIN):
+            reserved = saved + saved // 4
+            self.reporter.submit(functools.partial(_reserve, state.sink, state.trace, self.stage, reserved))
+        self._reserving[key] = (saved, reserved)
+
+
+def write_now(states: list[InvokeState], stage: int) -> None:
+    """Write the invokes' reports (no saves, no shared values: their errors) at once, on this
+    thread: the process is about to end (Interleaver.last_words), so the reporter thread will not."""
+    batches: dict[tuple[str, str], list[InvokeState]] = defaultdict(list)
+    for state in states:
+        batches[(state.sink, state.trace)].append(state)
+    for (sink, trace), batch in batches.items():
+        open_sink(sink).write(trace, stage, [{**_report_of(state, stage), "shared": []} for state in batch])
+
+
+def _report_of(state: InvokeState, stage: int) -> dict:
+    return {"trace": state.trace, "invoke": state.invoke, "stage": stage, "saves": {},
+            "shared": state.shared, "error": state.error}
+
+
+def _reserve(sink: str, trace: str, stage: int, nbytes: int) -> None:
+    """On the reporter thread, while the trace runs: its report data file ``nbytes`` long."""
+    try:
+        open_sink(sink).reserve(trace, stage, nbytes)
+    except OSError:  # e.g. no room now: the report tries again, and fails with the reason if it must
+        pass
+
+
+@dataclass
+class _HeldReports:
+    """Finished invokes of one trace whose reports wait for the rest of it (ReportBatcher.report)."""
+
+    since: float  # when the first of them finished
+    states: list[InvokeState] = field(default_factory=list)
+
+
+def _write_reports(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
+                   objects: list[dict[str, list]], last: bool) -> None:
+    """On the reporter thread: write one batch of reports, then let the saves' host memory be
+    reused (the reports hold copies of it); after the trace's last batch, close its data file."""
+    try:
+        _write_batch(sink, trace, stage, reports, taken, objects)
+    finally:
+        taken.release()
+        if last:
+            open_sink(sink).close(trace, stage)
+
+
+def _write_batch(sink: str, trace: str, stage: int, reports: list[dict], taken: TakenSaves,
+                 objects: list[dict[str, list]]) -> None:
+    """Assemble the saves into one batch file. If the batch cannot be written (e.g. an
+    unpicklable save), each report is written alone, and those that still fail carry the error
+    instead of their saves."""
+    try:
+        for report in reports:
+            report["shared"] = [(name, how, v.get() if isinstance(v, HostRows) else v)
+                                for name, how, v in report["shared"]]
+        with open_sink(sink).batch(trace, stage) as batch:  # rows are gathered straight into the file
+            def write_header(results: list[dict]) -> None:  # while the rows are still on their way
+                for report, rows, values in zip(reports, results, objects):
+                    report["saves"] = _with_objects(rows, values)
+                batch.finish(reports)
+
+            taken.assemble(batch.allocate, meanwhile=write_header)
+        return
+    except Exception as exc:  # noqa: BLE001
+        batch_error = error_record(exc, where="reporting results")
+    for report in reports:
+        try:
+            open_sink(sink).write(trace, stage, [report])
+        except Exception as exc:  # noqa: BLE001
+            record = error_record(exc, where="reporting results") if report["saves"] else batch_error
+            report.update(saves={}, shared=[], error=report["error"] or record)
+            open_sink(sink).write(trace, stage, [report])
+
+
+def _with_objects(rows: dict[str, Any], objects: dict[str, list]) -> dict[str, Any]:
+    """An invoke's saves: its rows by name, plus values that are not rows (one value, or a list
+    when saved at several steps)."""
+    for name, values in objects.items():
+        if name in rows:
+            raise TypeError(f"save({name!r}) got both tensors with rows and other values; use two names")
+        rows[name] = values[0] if len(values) == 1 else values
+    return rows

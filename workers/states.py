@@ -1,0 +1,163 @@
+"""Per-invoke and per-step state of the interleaver (interleaver.py): records, with only the
+small helpers that read them (the phases that act on them live in their own modules).
+
+    InvokeState   one intervened request on this rank, from admission to its report
+    Scheduled     this step's live invokes, in batch order, as arrays (step_schedule.py builds it)
+    CallContext   one program call's slice of the step: its invokes and rows (read by view.py)
+    Step          everything the current step needs: its calls, ops by hook, mailbox, carry
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from interlace.workers.calls import ProgramCall
+from interlace.workers.holds import Holdings
+from interlace.workers.layout import BatchLayout
+from interlace.workers.ops import StepOp
+from interlace.workers.pipeline import Carried
+from interlace.workers.points import ModuleTree, Point, Rows, device_index
+
+if TYPE_CHECKING:
+    from interlace.workers.interleaver import Interleaver
+
+
+@dataclass
+class InvokeState:
+    """Long-lived state of one intervened request on this rank."""
+
+    req_id: str
+    slot: int  # this rank's number for the invoke: its row in the SlotTable, and saved rows' owner
+    trace: str
+    invoke: int
+    prompt_len: int
+    program: Any  # callable or None
+    group_key: str | None  # invokes with the same key share one call per step (batched programs)
+    ops: list[dict]
+    steps: frozenset[int] | None  # program steps; None = every step
+    sink: str
+    timeout_s: float  # the trace's time limit for programs (the time left is a slot column)
+    max_save_bytes: int
+    saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
+    shared: list[tuple[str, str, Any]] = field(default_factory=list)
+    error: dict | None = None
+    tapped: list[dict] | None = None  # ops that run through graph taps (taps.py): they all do; None: hooks
+
+    # Invokes failed so far, in this process: a step tells whether any failed since the last one
+    # by comparing one number, not by looking at every invoke of the batch.
+    failures: ClassVar[int] = 0
+
+    def fail(self, record: dict) -> None:
+        if self.error is None:
+            self.error = record
+            InvokeState.failures += 1
+
+
+@dataclass
+class Scheduled:
+    """This step's live invokes (scheduled, not failed), in batch order, as arrays."""
+
+    states: list[InvokeState]
+    slots: np.ndarray
+    req_rows: np.ndarray  # each invoke's request index in the layout (its logits/samples row)
+    starts: np.ndarray  # its rows starts[i]:stops[i] of the flat token batch
+    stops: np.ndarray
+    firsts: np.ndarray  # the position of its first row in its sequence
+    final: np.ndarray  # whether this chunk ends its prompt (always, once decoding)
+    steps: np.ndarray  # its generation step (its last row's)
+    prompt_lens: np.ndarray
+    replay_until: np.ndarray  # rows before this position recompute rows of before a preemption
+    # Steps of one epoch have the same invokes in the same rows, all decoding, so anything that
+    # depends only on rows (an op's selection, device indices) is computed once per epoch.
+    epoch: int = 0
+
+    def pick(self, index: np.ndarray) -> "Scheduled":
+        return Scheduled([self.states[i] for i in index.tolist()], self.slots[index], self.req_rows[index],
+                         self.starts[index], self.stops[index], self.firsts[index], self.final[index],
+                         self.steps[index], self.prompt_lens[index], self.replay_until[index], self.epoch)
+
+    def advanced(self) -> "Scheduled":
+        """The next step of the same epoch: every invoke one step further, in the same rows."""
+        lengths = self.stops - self.starts
+        return Scheduled(self.states, self.slots, self.req_rows, self.starts, self.stops, self.firsts + lengths,
+                         self.final, self.steps + lengths, self.prompt_lens, self.replay_until, self.epoch)
+
+
+@dataclass
+class CallContext:
+    """One call's slice of the step: which invokes, which rows (read by the program's view)."""
+
+    key: str  # the group key: names the call to the next pipeline stage
+    tree: ModuleTree
+    services: "Interleaver"
+    members: Scheduled  # the call's invokes, in invoke order
+    timeout_s: float
+
+    def __post_init__(self):
+        self.invokes = self.members.states
+        self.lengths = self.members.stops - self.members.starts
+        self.num_rows = int(self.lengths.sum())
+        self.local_stops = np.cumsum(self.lengths)  # invoke j's rows of the values this call reads
+        self.local_starts = self.local_stops - self.lengths
+        self.holds = Holdings()  # what the program read this step, and whether it may still write it
+
+    # Built only when asked for (a sweep's call would otherwise build 256 of each per step)
+
+    @functools.cached_property
+    def steps(self) -> list[int]:
+        return self.members.steps.tolist()
+
+    @functools.cached_property
+    def local_rows(self) -> list[slice]:
+        """Each invoke's rows within the values this call reads (stacked in invoke order)."""
+        return [slice(a, b) for a, b in zip(self.local_starts.tolist(), self.local_stops.tolist())]
+
+    @functools.cached_property
+    def positions(self) -> list[range]:
+        return [range(f, f + n) for f, n in zip(self.members.firsts.tolist(), self.lengths.tolist())]
+
+    @functools.cached_property
+    def token_rows(self) -> Rows:
+        return Rows.of(self.members.starts, self.members.stops, self.services.device)
+
+    @functools.cached_property
+    def request_rows(self) -> Rows:
+        return Rows.at(self.members.req_rows, self.services.device)
+
+    @functools.cached_property
+    def last_rows(self) -> torch.Tensor:
+        """Each invoke's last row within the values this call reads, as a device index."""
+        return device_index(torch.from_numpy(self.local_stops - 1), self.services.device)
+
+    def step_words(self) -> str:
+        """"step 3", or "steps [2, 3]" for a batched call over invokes at different steps."""
+        steps = sorted(set(self.steps))
+        return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+
+
+@dataclass
+class Step:
+    """Per-step state, rebuilt every step."""
+
+    layout: BatchLayout
+    calls: list[tuple[ProgramCall, CallContext]]
+    ops: dict[tuple[str, str], list[tuple[Point, StepOp]]]  # by hook (see hooks.hook_of): ops to apply there, in order
+    mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
+    carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
+    tapped: list[tuple[Point, StepOp]] = field(default_factory=list)  # saves that ran in graph taps
+    memo: dict = field(default_factory=dict)  # work shared by the steps of an epoch (StepScheduler.memo)
+    times_agreed: bool = False  # under TP: the last path round saw every call done, so its times are final
+
+    def rows_at(self, rows: np.ndarray, device) -> Rows:
+        """``Rows.at``, once per epoch for each distinct selection: a sweep saving 4 layers sends
+        one index to the GPU when its batch changes, not 4 at every step."""
+        known = self.memo.setdefault("rows", {})
+        key = rows.tobytes()
+        if key not in known:
+            known[key] = Rows.at(rows, device)
+        return known[key]
