@@ -274,6 +274,38 @@ def test_time_limits_are_decided_alike_on_every_rank(llama, oracles):
     _next_trace_is_exact(llama, oracle)
 
 
+def test_a_busy_loop_fails_alone_and_the_engine_serves(any_model, oracle):
+    """A program that never reaches another point (``while True: pass``) cannot wait for the
+    ranks' next agreement round: each rank interrupts it on its own clock, and the round after
+    it unwinds makes the time-out the same on every rank. It fails alone with the time limit,
+    in about the limit, its trace's other invokes are exact, and the same engine serves on (it
+    used to end the engine's processes at TP=2, losing the neighbours)."""
+    import time
+
+    ids = oracle.ids(PROMPT)
+
+    def spin(m):
+        m.layers[0].resid  # noqa: B018 - waits for the first point, then spins
+        while True:
+            pass
+
+    def keep(m):
+        m.save("h", m.layers[2].resid)
+
+    started = time.monotonic()
+    with pytest.raises(interlace.InterventionError, match="time limit of 2s") as err:
+        with any_model.trace(max_tokens=4, ignore_eos=True, timeout_s=2) as tr:
+            tr.invoke(ids, program=spin)
+            tr.invoke(ids, program=keep)
+            tr.invoke(ids)
+    assert time.monotonic() - started < 15
+    assert err.value.invoke == 0
+    healthy, plain = err.value.partial[1], err.value.partial[2]
+    assert healthy.token_ids == plain.token_ids == oracle.greedy(ids, 4)
+    assert healthy.saves["h"].shape[0] == len(ids) + 3
+    assert any_model.generate(ids, max_tokens=4, ignore_eos=True).token_ids == oracle.greedy(ids, 4)
+
+
 def test_a_program_taking_another_path_on_one_rank_fails_on_every_rank_alone(llama, oracles, layout):
     """Every TP rank runs the program on the same values, but a program may consult something
     rank-local (here the rank itself; in the wild the clock, a file, an error on one GPU). On

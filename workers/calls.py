@@ -23,12 +23,15 @@ that ignored its time limit, and the next trace starts a new engine.
 Under tensor parallelism every rank runs the same program on the same values, and some of its
 accesses enter a collective (a value split across ranks is gathered whole). A rank that stopped
 a program on its own clock would skip a collective the other ranks enter, and the group would
-hang. So with ``local_limits=False`` (TP > 1) no rank acts on its own clock within a step: the
-ranks agree on each call's time at the step's end (tp_agreement.agree_on_time, carried by the
-step's last agreement round on the host), a program past its limit is stopped there, and a
-budget spent in an earlier step stops it at its start, identically on every rank. Within a step
-only the last resort acts alone, and it ends the process (every rank's program is past its
-deadline by then; the group dies together instead of hanging).
+hang. So with ``local_limits=False`` (TP > 1) a program that comes back to the engine is judged
+by the time the ranks agree on: at the step's end (tp_agreement.agree_on_time, carried by the
+step's last agreement round on the host) a program past its limit is stopped, and a budget spent
+in an earlier step stops it at its start, identically on every rank. A program that never comes
+back (a busy loop) is interrupted by each rank's watchdog on that rank's clock, as on one rank:
+it unwinds in its own code, before it could enter a gather, and the next agreement round, which
+every rank reaches before anything is gathered for a call, times the call out on every rank
+(tp_agreement.agree_on_paths). Only the last resort ends the process (every rank's program is
+past its deadline by then; the group dies together instead of hanging).
 
 The same holds for the program's own path: the ranks run the same bytes on the same values, but
 a program can still consult something rank-local (the clock, the process id, a file, a device
@@ -162,7 +165,9 @@ class ProgramCall:
         finally:
             WATCHDOG.leave(self)
             self.used_s += time.monotonic() - started
-        if self.local_limits and (self.timed_out or self.used_s >= self.budget_s):  # interrupted, or finished past the limit
+        # Interrupted by the watchdog (on any layout), or finished past the limit by this rank's
+        # clock (one rank alone only: under TP the ranks agree on that at the step's end).
+        if self.timed_out or (self.local_limits and self.used_s >= self.budget_s):
             self._time_out()
 
     def time_out(self) -> None:
@@ -293,7 +298,7 @@ class Watchdog:
                 for thread, (call, deadline) in self._running.items():
                     if now > deadline + GRACE_S and call.running:
                         _end_process(call, now - deadline)
-                    if now > deadline and call.running and call.local_limits:
+                    if now > deadline and call.running:
                         call.timed_out = True
                         _raise_in(thread, ProgramError)
 

@@ -28,8 +28,10 @@ def agree_on_paths(step: Step, agree_max: Callable[[np.ndarray], np.ndarray]) ->
     others never join, and the group would hang; one that writes where the others do not
     would leave the ranks computing from different values, silently. So each time programs
     ran, before anything is gathered for them, the ranks compare every call's state (what
-    it waits for next, whether it failed, how many writes it made): one all-reduce of a few
-    numbers per call over the group's CPU group. The calls are the same, in the same order,
+    it waits for next, whether it failed, how many writes it made, whether a rank's watchdog
+    interrupted it): one all-reduce of a few numbers per call over the group's CPU group. A
+    call interrupted on any rank times out on every rank; one whose paths differ otherwise is
+    stopped with :class:`RanksDiverged`. The calls are the same, in the same order,
     on every rank, and a rank runs a round exactly where the others do: after starting the
     step's programs, and at each hook where calls that all ranks agreed wait there ran.
     Values a program computes without acting on them differently (e.g. noise added to a
@@ -37,12 +39,17 @@ def agree_on_paths(step: Step, agree_max: Callable[[np.ndarray], np.ndarray]) ->
     calls, n = step.calls, len(step.calls)
     codes = np.fromiter((_path_code(call) for call, _ in calls), np.float64, n)
     used = np.fromiter((call.used_s for call, _ in calls), np.float64, n)
-    agreed = agree_max(np.concatenate([codes, -codes, used]))  # the times too (see agree_on_time)
+    # A call a rank's watchdog interrupted (a busy loop never reaches a point where the ranks
+    # could agree first) times out on every rank, whatever path the others are on.
+    timed = np.fromiter((call.timed_out and not call.stopped for call, _ in calls), np.float64, n)
+    agreed = agree_max(np.concatenate([codes, -codes, used, timed]))  # the times too (see agree_on_time)
     high, low = agreed[:n], -agreed[n : 2 * n]
-    for (call, _ctx), used_s in zip(calls, agreed[2 * n :].tolist()):
+    for (call, _ctx), used_s in zip(calls, agreed[2 * n : 3 * n].tolist()):
         call.agreed_s = used_s
-    for (call, _ctx), hi, lo in zip(calls, high.tolist(), low.tolist()):
-        if hi != lo:
+    for (call, _ctx), hi, lo, timed_out in zip(calls, high.tolist(), low.tolist(), agreed[3 * n :].tolist()):
+        if timed_out:
+            call.time_out()
+        elif hi != lo:
             message = (
                 f"the program took different paths on the tensor-parallel ranks (on this rank it "
                 f"{_path_words(call)}, on another not). "
