@@ -97,6 +97,15 @@ class ModelConfig(BaseModel):
         """Worker ranks of one engine (TP x PP)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    def with_overrides(self, overrides: dict[str, Any]) -> tuple["ModelConfig", dict[str, Any]]:
+        """This config with the keyword arguments that name its fields applied
+        (``tensor_parallel_size=2``, ``dtype="float32"``), and the rest: vLLM's engine arguments."""
+        rest = dict(overrides)
+        fields = {k: rest.pop(k) for k in list(rest) if k in ModelConfig.model_fields}
+        if not fields:
+            return self, rest
+        return ModelConfig.model_validate({**self.model_dump(), **fields}), rest
+
     def checkpoint_path(self) -> str:
         """The folder vLLM and transformers load; builds an embedded model on first use."""
         if self.source.startswith(EMBEDDED_PREFIX):
@@ -173,6 +182,17 @@ class ClusterConfig(BaseModel):
                              "or pass the path of a .yaml file")
         return cls.model_validate(yaml.safe_load(bundled.read_text()))
 
+
+    def with_overrides(self, overrides: dict[str, Any]) -> tuple["ClusterConfig", dict[str, Any]]:
+        """This config with the keyword arguments that name its fields or its model's applied
+        (``replicas=2``, ``pipeline_parallel_size=2``), and the rest: vLLM's engine arguments.
+        ``Cluster`` reads keywords this way and ``Model`` the same way for a model alone, so a
+        keyword means one thing everywhere (placement, executor and ranks follow the sizes)."""
+        model, rest = self.model.with_overrides(overrides)
+        fields = {k: rest.pop(k) for k in list(rest) if k in ClusterConfig.model_fields and k != "model"}
+        if not fields and model is self.model:
+            return self, rest
+        return ClusterConfig.model_validate({**self.model_dump(), **fields, "model": model.model_dump()}), rest
 
 # --- serving: a Ray Serve application over the engine replicas (``interlace serve SERVE.yaml``) ----
 

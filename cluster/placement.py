@@ -12,7 +12,8 @@ a GPU cluster runs.
 A replica larger than one node (a pipeline across machines, vLLM's Ray executor) is not supported:
 its workers' reports are read from a node-local folder. :func:`check_fits_a_node` refuses such a
 replica on a local Ray before anything waits for resources no node has (a placement group that
-cannot be placed waits forever), and warns on a joined cluster, where an autoscaler may add one.
+cannot be placed waits forever), and warns on a joined cluster, where an autoscaler may add one;
+:func:`check_replicas_fit` does the same for all of a cluster's replicas together.
 
     >>> from interlace.cluster.config import ClusterConfig
     >>> cfg = ClusterConfig.load("tiny-llama-2")
@@ -88,6 +89,35 @@ def check_fits_a_node(cluster: "ClusterConfig", nodes: list[dict] | None = None)
         raise ValueError(message)
     warnings.warn(message + " (waiting: a node may still join this cluster)", stacklevel=2)
 
+
+
+def check_replicas_fit(cluster: "ClusterConfig", nodes: list[dict] | None = None) -> None:
+    """Refuse ``cluster.replicas`` replicas that the alive nodes cannot hold all at once
+    (``ValueError`` with the arithmetic), where this process started the Ray cluster: its
+    resources never grow, and a placement group that cannot be placed waits forever, silently.
+    On a joined cluster (an autoscaler may add nodes) the same finding is a warning. Each node
+    holds as many whole replicas as its scarcest resource allows; a replica never spans nodes.
+    ``nodes``: ``ray.nodes()`` (read when None). Totals, not what is free now."""
+    import ray
+
+    if nodes is None:
+        nodes = ray.nodes()
+    need = replica_bundle(cluster)
+    alive = [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
+    room = sum(min(int(have.get(name, 0.0) / amount + 1e-9) for name, amount in need.items()) for have in alive)
+    if room >= cluster.replicas:
+        return
+    total = {name: sum(have.get(name, 0.0) for have in alive) for name in need}
+    message = (
+        f"{cluster.replicas} replicas of {cluster.model.name!r} need {_show(need)} each on one node, "
+        f"{_show({name: amount * cluster.replicas for name, amount in need.items()})} in all, but the "
+        f"{len(alive)} node(s) of this Ray cluster ({_show(total)} in all) hold {room} such replica(s). "
+        "Lower `replicas`, the parallel sizes or the resources per rank, or give Ray more "
+        "(ray.init(num_cpus=...), another node)"
+    )
+    if _head_started_here():
+        raise ValueError(message)
+    warnings.warn(message + " (the rest wait: nodes may still join this cluster)", stacklevel=2)
 
 def _show(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items()) + "}"

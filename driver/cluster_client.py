@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 import uuid
 from pathlib import Path
@@ -46,7 +47,7 @@ from interlace.cluster.assembly import assemble
 from interlace.cluster.collector import start_collector
 from interlace.cluster.config import ClusterConfig
 from interlace.cluster.engine import refuse_graph_settings
-from interlace.cluster.placement import check_fits_a_node, replica_bundle
+from interlace.cluster.placement import check_fits_a_node, check_replicas_fit, replica_bundle
 from interlace.cluster.replica import replica_actor
 from interlace.cluster.shards import joined_invokes, plan_shards
 from interlace.core.trace import TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
@@ -58,6 +59,8 @@ from interlace.workers.sink import discard, read_new_reports
 
 _TAKE_TIMEOUT_S = 120.0  # a trace whose shards all returned yet reports stay missing this long fails
 _COLLECTOR_RESTART_S = 120.0  # how long a call waits for a restarting collector
+_PENDING_REPORT_S = 30.0  # how often a replica waiting for its placement group says so
+logger = logging.getLogger("interlace")
 
 
 @dataclasses.dataclass
@@ -82,7 +85,9 @@ class Cluster:
     ``config``: a bundled cluster config name (``"tiny-llama-2"``), a YAML path, or a
     :class:`~interlace.cluster.config.ClusterConfig`. ``address``: the Ray cluster to join when
     Ray is not initialized in this process yet (None: start a local one; ``"auto"``;
-    ``"ray://host:10001"``). ``ray_init``: further ``ray.init`` arguments for that case.
+    ``"ray://host:10001"``). ``ray_init``: further ``ray.init`` arguments for that case. Keyword
+    arguments override the config's fields and its model's (``replicas=1``,
+    ``pipeline_parallel_size=2``), as ``Model``'s do; the rest go to vLLM's engine arguments.
     """
 
     trace = Model.trace
@@ -92,7 +97,7 @@ class Cluster:
                  ray_init: dict | None = None, **engine_overrides: Any):
         import ray
 
-        self.config = ClusterConfig.load(config)
+        self.config, engine_overrides = ClusterConfig.load(config).with_overrides(engine_overrides)
         # As Model does: refused here, before Ray or any replica starts (CPU replicas only).
         if not self.config.resources.num_gpus:
             refuse_graph_settings({**self.config.model.engine_args, **engine_overrides}, device="cpu")
@@ -124,6 +129,7 @@ class Cluster:
         cfg = self.config
         # Before a placement group waits forever for a node this cluster will never have.
         check_fits_a_node(cfg)
+        check_replicas_fit(cfg)
         self._room = asyncio.Condition()
         self.collector = start_collector(name=f"{self.name}-collector")
         self._node = ray.get_runtime_context().get_node_id()  # replicas here leave saves in files for us
@@ -131,7 +137,7 @@ class Cluster:
             group = placement_group([replica_bundle(cfg)], name=f"{self.name}-r{index}")
             self._replicas.append(_ReplicaSlot(index, None, group))
         for slot in self._replicas:
-            await slot.placement_group.ready()
+            await _placed(slot, replica_bundle(cfg))
             cores = cfg.cpu_cores[slot.index % len(cfg.cpu_cores)] if cfg.cpu_cores else None
             slot.actor = replica_actor(slot.placement_group, cfg, cores).remote(
                 cfg.model.model_dump(), slot.index, f"{self.name}-collector", f"{self.name}-r{slot.index}", engine_overrides)
@@ -366,6 +372,19 @@ class Cluster:
 
     def _call(self, coroutine, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+
+async def _placed(slot: _ReplicaSlot, bundle: dict[str, float]) -> None:
+    """Wait for a replica's placement group, saying every ``_PENDING_REPORT_S`` what it waits for
+    (on a joined cluster resources may come later, as Ray Serve reports pending replicas)."""
+    import ray
+
+    ready = asyncio.ensure_future(slot.placement_group.ready())
+    while not (await asyncio.wait({ready}, timeout=_PENDING_REPORT_S))[0]:
+        free = ray.available_resources()
+        logger.warning("interlace: replica %d is pending: its placement group needs %s on one node; the cluster "
+                       "has %s free now", slot.index, bundle, {name: free.get(name, 0.0) for name in bundle})
+    ready.result()
 
 
 def _saves_on_node(reports) -> dict | None:

@@ -62,8 +62,7 @@ class Model:
 
     def __init__(self, config: str | Path | ModelConfig = "tiny-llama", **overrides: Any):
         config = config if isinstance(config, ModelConfig) else ModelConfig.load(config)
-        fields = {k: overrides.pop(k) for k in list(overrides) if k in ModelConfig.model_fields}
-        self.config = ModelConfig.model_validate({**config.model_dump(), **fields}) if fields else config
+        self.config, overrides = config.with_overrides(overrides)
 
         refuse_graph_settings({**self.config.engine_args, **overrides})  # here, not when the engine starts
         self.engine_overrides = overrides

@@ -60,9 +60,12 @@ def ray_cpus():
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def parallel_cluster(request, ray_cpus):
     tp, pp, replicas, gpus = LAYOUTS[request.param]
-    model = ModelConfig.load("tiny-llama").model_copy(update={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
-    handle = interlace.Cluster(ClusterConfig(model=model, replicas=replicas, max_in_flight=4, cpu_cores=[[0, 1]],
-                                             resources=ResourcesConfig(num_cpus=1, num_gpus=gpus)))
+    # The sizes as keywords, as interlace.Model takes them: they size the replica's placement
+    # group and its engine's ranks, not only vLLM's arguments (each test compares with Model).
+    handle = interlace.Cluster(ClusterConfig(model=ModelConfig.load("tiny-llama"), replicas=replicas, max_in_flight=4,
+                                             cpu_cores=[[0, 1]], resources=ResourcesConfig(num_cpus=1, num_gpus=gpus)),
+                               tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert (handle.config.model.tensor_parallel_size, handle.config.model.pipeline_parallel_size) == (tp, pp)
     yield handle
     handle.close()
 
@@ -150,3 +153,16 @@ def test_ranks_of_one_replica_sharing_a_gpu_are_refused():
         replica_bundle(ClusterConfig(model=ModelConfig.load("tiny-llama"), resources=ResourcesConfig(num_gpus=1.5)))
     shared = ClusterConfig(model=ModelConfig.load("tiny-llama"), replicas=2, resources=ResourcesConfig(num_gpus=0.5))
     assert replica_bundle(shared)["GPU"] == 0.5  # one-rank replicas may share a GPU
+
+
+def test_replicas_that_cannot_all_be_placed_are_refused_at_once(ray_cpus):
+    """Each PP=2 replica fits a node of this local Ray, but three need more CPUs than it has and
+    will ever have: refused at once with the arithmetic, never a placement group waiting silently."""
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"3 replicas of 'tiny-llama' need \{CPU: 2\} each on one node, \{CPU: 6\} in all, "
+                                         r"but the 1 node\(s\) of this Ray cluster \(\{CPU: 4\} in all\) hold 2 such"):
+        interlace.Cluster(ClusterConfig(model=ModelConfig.load("tiny-llama"), replicas=3, cpu_cores=[[0, 1]],
+                                        resources=ResourcesConfig(num_cpus=1, num_gpus=0)), pipeline_parallel_size=2)
+    assert time.monotonic() - started < 30
