@@ -2,7 +2,7 @@
 
 Workload: one trace of N prompts x IN tokens, OUT generated tokens each, greedy, in two cases:
 ``none`` (no intervention: the request path alone) and ``ops-save4`` (every invoke saves the last
-token's residual at 4 layers every step: reports, saves and the collector carry work). Llama-3.2-1B shape with random bf16 weights, or ``--tiny``: the
+token's residual at 4 layers every step: reports, saves and the collector carry work). A Llama-3 shape with random bf16 weights (``--shape 1b|8b|70b``), or ``--shape tiny``: the
 bundled tiny Llama (CPU). Two phases, each paired like bench/runner_bench.py (new prompts per
 pair, the same for both sides; which side runs first alternates by round; a figure is the median
 of the pairs' ratios):
@@ -24,7 +24,7 @@ Every cluster trace also prints where its time went on the driver (``driver_phas
 from its start for building the invokes, submit, each shard's round trip to its replica, the
 collector's take and the assembly), to find what does not shrink with a second replica.
 
-Usage: python bench/cluster_bench.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--tiny]
+Usage: python bench/cluster_bench.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--shape 1b]
        [--phases overhead,scaling,throughput]
 GPU machines: bash bench/gpu_session.sh python3 bench/cluster_bench.py
 """
@@ -38,7 +38,8 @@ import os
 import statistics
 import time
 
-from runner_bench import MODEL_DIR, config, interlace_cases, make_model_dir, prompts
+import shapes
+from runner_bench import config, interlace_cases, prompts
 
 
 class DriverPhases:
@@ -165,7 +166,7 @@ def main() -> None:
     parser.add_argument("--in", dest="inp", type=int, default=128)
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per phase")
-    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
+    shapes.add_argument(parser)
     parser.add_argument("--phases", default="overhead,scaling,throughput")
     args = parser.parse_args()
     args.tp = args.pp = 1
@@ -178,8 +179,6 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     if not gpus:
         os.environ["INTERLACE_CPU_CORES"] = "0"  # the bare Model on the core the one-replica cluster gets
-    if not args.tiny:
-        make_model_dir(MODEL_DIR)
     cfg = config(args)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     global PHASES

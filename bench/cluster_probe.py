@@ -8,7 +8,7 @@ between the bare ``interlace.Model`` and ``interlace.Cluster``, one engine at a 
     cluster      a one-replica interlace.Cluster (the AsyncLLM in a Ray actor)
     cluster-quiet  the same with log stats off
 
-Usage: python bench/cluster_probe.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--tiny]
+Usage: python bench/cluster_probe.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--shape 1b]
        [--sides model,async,...]
 """
 
@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-from runner_bench import MODEL_DIR, config, make_model_dir, prompts
+import shapes
+from runner_bench import config, prompts
 
 
 def time_model(target, data, out):
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--in", dest="inp", type=int, default=128)
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true")
+    shapes.add_argument(parser)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sides", default="model,async,async-quiet,cluster,cluster-quiet")
     args = parser.parse_args()
@@ -84,8 +85,6 @@ def main() -> None:
     import torch
 
     gpus = torch.cuda.device_count()
-    if not args.tiny:
-        make_model_dir(MODEL_DIR)
     if args.one:
         rates, close = one_side(args, args.one, gpus)
         print("RATES " + json.dumps(rates), flush=True)
@@ -95,7 +94,7 @@ def main() -> None:
     summary = {}
     for side in args.sides.split(","):
         cmd = [sys.executable, __file__, "--one", side, "--n", str(args.n), "--in", str(args.inp),
-               "--out", str(args.out), "--repeats", str(args.repeats)] + (["--tiny"] if args.tiny else [])
+               "--out", str(args.out), "--repeats", str(args.repeats)] + ["--shape", args.shape]
         out = subprocess.run(cmd, capture_output=True, text=True)
         line = next((l for l in out.stdout.splitlines() if l.startswith("RATES ")), None)
         if line is None:
@@ -118,7 +117,7 @@ def one_side(args, side: str, gpus: int) -> list[float]:
     from interlace.cluster.config import ClusterConfig, ResourcesConfig
 
     cfg = config(args)
-    vocab = 200 if args.tiny else 1000  # the tiny model's vocabulary is small
+    vocab = 200 if args.shape == "tiny" else 1000  # the tiny model's vocabulary is small
     seeds = itertools.count(1)
     if side == "model":
         model = interlace.Model(cfg)

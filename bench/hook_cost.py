@@ -28,7 +28,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
-    from runner_bench import ENGINE_ARGS, MODEL_DIR, make_model_dir, prompts
+    import shapes
+    from runner_bench import prompts
 
     forward = LlamaForCausalLM.forward
 
@@ -41,8 +42,8 @@ def main() -> None:
             FORWARD_MS.append(1000 * (time.perf_counter() - started))
 
     LlamaForCausalLM.forward = timed_forward
-    make_model_dir(MODEL_DIR)
-    llm = LLM(model=MODEL_DIR, dtype="bfloat16", max_model_len=1024, enforce_eager=True, **ENGINE_ARGS)
+    llm = LLM(model=shapes.make_model_dir("1b"), dtype="bfloat16", max_model_len=1024, enforce_eager=True,
+              load_format="dummy", gpu_memory_utilization=shapes.GPU_MEMORY_UTILIZATION)
     params = SamplingParams(max_tokens=128, ignore_eos=True, temperature=0)
     handles = []
 

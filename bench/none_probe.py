@@ -12,7 +12,7 @@ interlace, so a gap can be put down to its part:
                 installed in its runner (what vLLM's config alone costs)
 
 Usage: python bench/none_probe.py [--n 256,1024] [--in 128] [--out 128] [--repeats 3]
-       [--variants taps,no-taps,no-taps@llm,sched] [--tiny]
+       [--variants taps,no-taps,no-taps@llm,sched] [--shape 1b]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import statistics
 
 import runner_bench as rb
+import shapes
 
 
 def main() -> None:
@@ -32,10 +33,10 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="taps,no-taps,no-taps@llm,sched")
-    parser.add_argument("--tiny", action="store_true")
+    shapes.add_argument(parser)
     args = parser.parse_args()
     args.tp = args.pp = 1
-    args.graphs = not args.tiny
+    args.graphs = args.shape != "tiny"
     names = args.variants.split(",")
 
     import interlace
@@ -43,8 +44,6 @@ def main() -> None:
 
     from interlace.cluster.engine import engine_args
 
-    if not args.tiny:
-        rb.make_model_dir(rb.MODEL_DIR)
     cfg = rb.config(args)
     if "gpu_memory_utilization" in cfg.engine_args:  # up to 4 engines share the GPU
         cfg = cfg.model_copy(update={"engine_args": {**cfg.engine_args, "gpu_memory_utilization": 0.18}})

@@ -1,6 +1,6 @@
 """Runner benchmark: interlace against plain vLLM, in one process and one run, paired.
 
-Llama-3.2-1B-shaped model with random bf16 weights (no download), N prompts x IN tokens, OUT
+A Llama-3 shape with random bf16 weights (``--shape 1b|8b|70b``, bench/shapes.py; no download), N prompts x IN tokens, OUT
 generated tokens each, greedy, eager mode, or with ``--graphs`` both engines compiled with CUDA graphs
 (interlace then declares the ops cases' points as graph taps, whose ops run inside the graphs,
 workers/taps.py, and runs the steps of programs eagerly, workers/graphs.py). Cases:
@@ -23,8 +23,8 @@ runs new prompts: prompts seen before would be served from plain vLLM's prefix c
 intervened request bypasses (its hooks must see every token).
 
 Usage: python bench/runner_bench.py [--n 256[,1024...]] [--in 128] [--out 128] [--tp 1] [--pp 1]
-       [--cases a,b] [--repeats 3] [--graphs [--eager-too]] [--tiny]     (--tiny: the bundled tiny Llama, e.g. on CPU)
-       python bench/runner_bench.py --kv-clear [--n 256] [--in 128] [--out 128] [--tiny]
+       [--cases a,b] [--repeats 3] [--graphs [--eager-too]] [--shape 1b]     (--shape tiny: the bundled tiny Llama, e.g. on CPU)
+       python bench/runner_bench.py --kv-clear [--n 256] [--in 128] [--out 128] [--shape 1b]
 Prints one JSON line per pair, then a table. ``--kv-clear`` times only what clearing intervened
 requests' KV-cache blocks adds (workers/kv_blocks.py; the steering cases above pay it): the
 per-step look at new blocks over N decoding requests, and clearing N finished requests' blocks
@@ -43,31 +43,8 @@ import statistics
 import time
 from typing import Callable
 
-from pool_pairs import median_interval  # bench/, this script's folder
-
-MODEL_DIR = "/tmp/interlace-bench-llama1b"
-
-
-def make_model_dir(path: str) -> None:
-    """Llama-3.2-1B shape, small local tokenizer; weights come from load_format='dummy'."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
-
-    os.makedirs(path, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(path)
-    LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
-                bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", tie_word_embeddings=True).save_pretrained(path)
-
-
-ENGINE_ARGS = dict(load_format="dummy", gpu_memory_utilization=0.35)  # two engines share the GPU
-
+import shapes  # bench/, this script's folder
+from pool_pairs import median_interval
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -75,20 +52,13 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def config(args):
-    from interlace.cluster.config import ModelConfig
-
-    if args.tiny:
-        base = ModelConfig.load("tiny-llama")
-    else:
-        base = ModelConfig(name="llama-1b-shape", source=MODEL_DIR, dtype="bfloat16", max_model_len=1024,
-                           engine_args=ENGINE_ARGS)
-    update = {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
-    engine_args = dict(base.engine_args)
-    if getattr(args, "eager_too", False) and "gpu_memory_utilization" in engine_args:
+    engine_args = {}
+    if getattr(args, "eager_too", False) and args.shape != "tiny":
         engine_args["gpu_memory_utilization"] = 0.28  # three engines share the GPU
     if getattr(args, "graphs", False):  # vLLM as users run it: compiled, CUDA graphs (both engines)
         engine_args["enforce_eager"] = False
-    return base.model_copy(update={**update, "engine_args": engine_args})
+    update = {"tensor_parallel_size": getattr(args, "tp", 1), "pipeline_parallel_size": getattr(args, "pp", 1)}
+    return shapes.model_config(args, **engine_args).model_copy(update=update)
 
 
 def plain_engine(cfg):
@@ -181,7 +151,7 @@ def kv_clear_cost(args) -> None:
 
     from interlace.workers.kv_blocks import KVBlocks
 
-    layers, kv_heads, head_dim, block = (4, 1, 64, 128) if args.tiny else (16, 8, 64, 16)
+    layers, kv_heads, head_dim, block = shapes.kv_cache_shape(args.shape)
     blocks_each = -(-(args.inp + args.out) // block)
     num_blocks = args.n * blocks_each + 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -217,7 +187,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per case")
-    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
+    shapes.add_argument(parser)
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1,prog-save4,prog-steer1,prog-steer1-each")
     parser.add_argument("--kv-clear", action="store_true", help="time clearing intervened requests' KV blocks only")
     parser.add_argument("--graphs", action="store_true", help="both engines compiled with CUDA graphs (enforce_eager=False; "
@@ -235,8 +205,6 @@ def main() -> None:
     import interlace
 
     print(host_line(), flush=True)
-    if not args.tiny:
-        make_model_dir(MODEL_DIR)
     cfg = config(args)
     plain = plain_engine(cfg)
     hf = plain.llm_engine.model_config.hf_config

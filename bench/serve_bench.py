@@ -4,7 +4,7 @@ Workload: C concurrent clients, each sending T traces one after the other; a tra
 of IN prompt tokens (new ids every round, the same for both sides), OUT generated tokens, greedy,
 with the client's own steering vector (``ops.add`` at the middle layer, every step) and a save of
 the last token's residual at the last layer (``ops.save``, every step). Llama-3.2-1B shape with
-random bf16 weights (bench/runner_bench.py), or ``--tiny``: the bundled tiny Llama (CPU).
+random bf16 weights (``--shape 1b|8b|70b``, bench/shapes.py), or ``--shape tiny``: the bundled tiny Llama (CPU).
 
 Both sides are up at the same time on the same device, in one local Ray: a one-replica
 ``interlace.Cluster`` and the Serve application (one engine replica behind the HTTP ingress),
@@ -39,7 +39,7 @@ rates of bench/results/2026-11-25-h100-serve-bench.log about 65 s and 200 s, aga
 run cut off at 570 s had left after its engine starts; nothing says where that run was.)
 
 Usage: python bench/serve_bench.py [--clients 64] [--traces 4] [--in 128] [--out 128] [--repeats 3]
-       [--tiny] [--phases plain,stream] [--warmup-traces 1] [--check-clients 4]
+       [--shape 1b] [--phases plain,stream] [--warmup-traces 1] [--check-clients 4]
        [--request-timeout-s 120] [--budget-s SECONDS] [--progress-s 10]
 GPU machines: bash bench/gpu_session.sh python3 bench/serve_bench.py
 """
@@ -60,7 +60,8 @@ import threading
 import time
 import traceback
 
-from runner_bench import MODEL_DIR, config, make_model_dir, prompts
+import shapes
+from runner_bench import config, prompts
 
 TOKEN_ENV = "INTERLACE_API_TOKENS"
 CLEANUP_S = 60.0  # the shutdown after a stop (a stuck request, the budget) is cut off past this
@@ -389,7 +390,7 @@ def main() -> None:
     parser.add_argument("--in", dest="inp", type=int, default=128)
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per phase")
-    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
+    shapes.add_argument(parser)
     parser.add_argument("--phases", default="plain,stream")
     parser.add_argument("--warmup-traces", type=int, default=1, help="traces per client in each warm-up round")
     parser.add_argument("--check-clients", type=int, default=4, help="clients whose results are compared (0: none)")
@@ -420,8 +421,6 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     if not gpus:
         os.environ["INTERLACE_CPU_CORES"] = "0"  # both engines on one core: the same device for both sides
-    if not args.tiny:
-        make_model_dir(MODEL_DIR)
     cfg = config(args)
     # Each side takes 0.4 of the GPU; on CPU one core's bundle each (both bound to core 0 above).
     resources = ResourcesConfig(num_cpus=1, num_gpus=0.4) if gpus else ResourcesConfig(num_cpus=1)

@@ -14,7 +14,7 @@ and reads them back after each trace. It runs the engine core in this process
 - the tail: when the rank ended its last step and wrote its last report, counted back from the
   moment the driver had the trace's results.
 
-Usage: python bench/stage_probe.py [--pp 2] [--tp 1] [--graphs] [--tiny] [--n 256] [--in 128] [--out 128]
+Usage: python bench/stage_probe.py [--pp 2] [--tp 1] [--graphs] [--shape 1b] [--n 256] [--in 128] [--out 128]
        [--cases none,ops-save4,ops-steer1] [--rounds 2] [--syncs]
 Each case runs ``--rounds`` times after a warm-up trace; every round prints its own table.
 """
@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+
+import shapes  # bench/, this script's folder
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -194,7 +196,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--graphs", action="store_true", help="a compiled engine with the ops cases' points as graph taps")
-    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama instead of the 1B shape")
+    shapes.add_argument(parser)
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--syncs", action="store_true", help="count synchronising CUDA calls in interlace's phases "
@@ -202,11 +204,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import interlace
-    from runner_bench import MODEL_DIR, config, graph_taps, host_line, interlace_cases, make_model_dir, prompts, run_interlace
+    from runner_bench import config, graph_taps, host_line, interlace_cases, prompts, run_interlace
 
     print(host_line(), flush=True)
-    if not args.tiny:
-        make_model_dir(MODEL_DIR)
     cfg = config(args)
     if args.graphs:
         from transformers import AutoConfig

@@ -10,7 +10,7 @@ asynchronous scheduling.
 PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each check costs
 microseconds per call, which inflates the finer phases).
 
-Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--tiny]
+Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
        [--graphs] [--taps] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
        [--blocking-sync] [--timeline]
 Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
@@ -27,6 +27,8 @@ import contextlib
 import functools
 import os
 import time
+
+import shapes  # bench/, this script's folder
 import warnings
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -507,7 +509,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--in", dest="inp", type=int, default=128)
     parser.add_argument("--out", type=int, default=128)
-    parser.add_argument("--tiny", action="store_true")
+    shapes.add_argument(parser)
     parser.add_argument("--no-baseline", action="store_true", help="skip the 'none' case (e.g. under a profiler)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile the runner's steps (cProfile) and print the N functions with the most own time")
@@ -546,10 +548,8 @@ def main() -> None:
         _blocking_cuda_sync()
 
     import interlace
-    from runner_bench import MODEL_DIR, config, graph_taps, interlace_cases, make_model_dir, prompts, run_interlace
+    from runner_bench import config, graph_taps, interlace_cases, prompts, run_interlace
 
-    if not args.tiny:
-        make_model_dir(MODEL_DIR)
     args.tp, args.pp = 1, 1
     cfg = config(args)
     if args.graphs or args.taps:  # as runner_bench --graphs: the ops cases' points are graph taps (taps.py)

@@ -1,6 +1,6 @@
 """Sweep benchmark: extract one layer's all-token residual to disk, against plain vLLM prefill.
 
-Llama-3.2-1B-shaped model with random bf16 weights (``runner_bench.make_model_dir``), N prompts of
+Llama-3 shape with random bf16 weights (``--shape 1b|8b|70b``, bench/shapes.py), N prompts of
 IN random tokens, prefill only (``max_tokens=1``). In one run: plain vLLM (no interlace) prefills
 the prompts, then shuts down; then ``interlace sweep`` runs the same prompts on one replica with
 ``{op: save, point: layers.<L>.resid}`` (every prompt token) and writes the shards. The sweep's
@@ -10,8 +10,8 @@ shard are left out, as plain vLLM's start-up is), from the shard records' times.
 Targets (issue 19): at least 0.8 x plain vLLM's prefill tokens/s, and at least 1 GB/s of
 activations written per GPU.
 
-Usage: python bench/sweep_bench.py [--n 1024] [--in 512] [--layer 8] [--shard 64] [--in-flight 2,4] [--tiny]
-       (--tiny: the bundled tiny Llama on CPU, a smoke run of the script)
+Usage: python bench/sweep_bench.py [--n 1024] [--in 512] [--layer 8] [--shard 64] [--in-flight 2,4] [--shape 1b]
+       (--shape tiny: the bundled tiny Llama on CPU, a smoke run of the script)
 """
 
 from __future__ import annotations
@@ -27,16 +27,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runner_bench import ENGINE_ARGS, MODEL_DIR, make_model_dir, plain_engine, prompts  # noqa: E402
+import shapes  # noqa: E402
+from runner_bench import plain_engine, prompts  # noqa: E402
 
 
-def model_config(tiny: bool):
-    from interlace.cluster.config import ModelConfig
-
-    if tiny:
-        return ModelConfig.load("tiny-llama")
-    args = {**ENGINE_ARGS, "gpu_memory_utilization": 0.8}  # one engine at a time here
-    return ModelConfig(name="llama-1b-shape", source=MODEL_DIR, dtype="bfloat16", max_model_len=1024, engine_args=args)
+def model_config(args):
+    if args.shape == "tiny":
+        return shapes.model_config(args)
+    return shapes.model_config(args, gpu_memory_utilization=0.8)  # one engine at a time here
 
 
 def run_plain(cfg, data: list[list[int]]) -> float:
@@ -87,12 +85,10 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=8)
     parser.add_argument("--shard", type=int, default=64)
     parser.add_argument("--in-flight", default="4", help="shards_in_flight values, comma-separated: one sweep each")
-    parser.add_argument("--tiny", action="store_true", help="the bundled tiny Llama (CPU smoke run)")
+    shapes.add_argument(parser)
     args = parser.parse_args()
-    if not args.tiny:
-        make_model_dir(MODEL_DIR)
-    cfg = model_config(args.tiny)
-    vocab = 500 if args.tiny else 1000
+    cfg = model_config(args)
+    vocab = 500 if args.shape == "tiny" else 1000
     data = prompts(args.n, min(args.inp, cfg.max_model_len - 1), vocab)
     plain = run_plain(cfg, data)
     for in_flight in [int(v) for v in args.in_flight.split(",")]:
