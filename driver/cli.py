@@ -2,17 +2,25 @@
 
     interlace sweep SWEEP.yaml              # run a sweep, or resume it: finished shards are kept
     interlace sweep SWEEP.yaml --address auto   # on a running Ray cluster (ray job submit sets RAY_ADDRESS)
-    interlace serve SERVE.yaml              # the HTTP endpoint (Ray Serve) until Ctrl-C
+    interlace serve SERVE.yaml              # the HTTP endpoint (Ray Serve) until Ctrl-C or SIGTERM
+
+SIGTERM (what Kubernetes, Docker, systemd and ``ray job stop`` send) stops either command the way
+Ctrl-C does (:mod:`interlace.core.sigterm`); a second one ends the process at once. Exit status:
+``serve`` 0 after a stop (its normal end); ``sweep`` 0 when complete, 1 when it stopped itself
+(``max_failures``), 2 for a config it refuses, 130 after Ctrl-C and 143 after SIGTERM (128 + the
+signal, as a shell reports a process the signal ended); a rerun of the same command resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 from interlace.cluster.config import ServeConfig, SweepConfig
 from interlace.cluster.sweep.runner import SweepStopped, run_sweep
+from interlace.core import sigterm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("config", help="the serve YAML (schema: interlace.cluster.config.ServeConfig)")
     serve.add_argument("--address", default=None, help="Ray cluster to join; default: RAY_ADDRESS, else a local Ray")
     args = parser.parse_args(argv)
+    sigterm.stop_on_sigterm()  # SIGTERM takes Ctrl-C's way out: Serve shut down, the sweep's pool stopped
     if args.command == "serve":
         return _serve(Path(args.config), args.address)
     return _sweep(Path(args.config), args.address)
@@ -63,6 +72,13 @@ def _sweep(path: Path, address: str | None) -> int:
     except SweepStopped as exc:
         print(f"\ninterlace sweep: {exc}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if isinstance(exc, SystemExit) and not sigterm.received():
+            raise  # a real exit; a SIGTERM may arrive as Ray's SystemExit(1) from inside a ray.get
+        how, code = ("SIGTERM", sigterm.EXIT_CODE) if sigterm.received() else ("Ctrl-C", 128 + signal.SIGINT)
+        print(f"\ninterlace sweep: stopped by {how}; finished shards are kept, and a rerun of the same command "
+              "resumes", file=sys.stderr)
+        return code
     except ValueError as exc:  # a config the run refuses (another sweep in the folder, a bad program path)
         print(f"interlace sweep: {exc}", file=sys.stderr)
         return 2

@@ -50,6 +50,7 @@ from interlace.cluster.engine import refuse_graph_settings
 from interlace.cluster.placement import check_fits_a_node, check_replicas_fit, replica_bundle
 from interlace.cluster.replica import replica_actor
 from interlace.cluster.shards import joined_invokes, plan_shards
+from interlace.core import sigterm
 from interlace.core.trace import TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
 from interlace.core.wire import Completion, InvokePayload, SavesOnNode, SavesRef, ShardTask
 from interlace.model import Model, Trace
@@ -102,8 +103,14 @@ class Cluster:
         if not self.config.resources.num_gpus:
             refuse_graph_settings({**self.config.model.engine_args, **engine_overrides}, device="cpu")
         self._started_ray = not ray.is_initialized()
+        # SIGTERM (Kubernetes, Docker, systemd) raises interlace.core.sigterm.Terminated (a
+        # SystemExit, status 143) where Ctrl-C raises KeyboardInterrupt, so `with` blocks and
+        # close() run while Ray still stands; unless the program installed a handler of its own.
         if self._started_ray:
-            ray.init(address=address or "local", include_dashboard=False, **(ray_init or {}))
+            with sigterm.kept_across_ray_init(take=True):
+                ray.init(address=address or "local", include_dashboard=False, **(ray_init or {}))
+        else:
+            sigterm.take_over()
         self.name = f"interlace-{uuid.uuid4().hex[:8]}"
         self._queue = threading.BoundedSemaphore(self.config.max_queued)
         self._held = 0  # traces queued or running

@@ -22,6 +22,7 @@ Three ways to run it, all reading :class:`~interlace.cluster.config.ServeConfig`
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -34,6 +35,7 @@ from interlace.cluster.replica import Replica, compact_outcome
 from interlace.cluster.serve.auth import Tokens
 from interlace.cluster.serve.ingress import Ingress, api
 from interlace.cluster.serve.state import StateHost
+from interlace.core import sigterm
 
 # Serve logs every call at INFO: warnings only, and no access log; Prometheus metrics say what the
 # traffic was.
@@ -194,8 +196,9 @@ def start(cfg: ServeConfig, address: str | None = None, name: str = "interlace")
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
-                 log_to_driver=False)
+        with sigterm.kept_across_ray_init():  # `interlace serve` stops on SIGTERM as on Ctrl-C
+            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
+                     log_to_driver=False)
     check_fits_a_node(cfg.cluster)  # before Serve waits forever for a node this Ray will never have
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(cfg), name=name, route_prefix=cfg.route_prefix, blocking=False)
@@ -222,14 +225,27 @@ def wait_ready(url: str, timeout_s: float = 600.0) -> None:
         time.sleep(1.0)
 
 
-def serve_until_stopped(cfg: ServeConfig, address: str | None = None) -> None:
-    """``interlace serve``: start, print where, serve until Ctrl-C, then shut Serve down."""
+def serve_until_stopped(cfg: ServeConfig, address: str | None = None, name: str = "interlace") -> None:
+    """``interlace serve``: start, print where, serve until Ctrl-C or SIGTERM (with the CLI's
+    :func:`interlace.core.sigterm.stop_on_sigterm`), then stop: the application is deleted first,
+    so its route takes no new trace while the traces running finish (each replica waits for its
+    requests up to its graceful shutdown time, 30 s for an engine, Serve's 20 s for an ingress),
+    then Serve shuts down. A stop during the start shuts down what started."""
+    import sys
     import time
 
-    url = start(cfg, address)
-    print(f"interlace: serving {cfg.cluster.model.name} at {url} (OpenAPI: {url}/docs); Ctrl-C stops", flush=True)
+    import ray
+
     try:
+        url = start(cfg, address, name)
+        print(f"interlace: serving {cfg.cluster.model.name} at {url} (OpenAPI: {url}/docs); Ctrl-C stops", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if isinstance(exc, SystemExit) and not sigterm.received():
+            raise  # a real exit; a SIGTERM may reach here as Ray's SystemExit(1) from inside a ray.get
+        print(f"interlace: {'SIGTERM' if sigterm.received() else 'Ctrl-C'}: shutting Serve down", file=sys.stderr, flush=True)
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):  # not deployed yet: nothing runs
+                serve.delete(name)
+            serve.shutdown()

@@ -376,9 +376,14 @@ class Ingress:
 
     async def _record(self, run: _Run, outcome: dict, request: tuple[str, int] | None = None) -> None:
         """The trace's metrics, and its token's slot freed (and the HTTP request counted, when
-        given as its route and status): one call."""
+        given as its route and status): one call. The trace's answer does not depend on it: when
+        the application is deleted (``interlace serve`` stopping) the state's replica stops at
+        once, while the ingress replicas finish the traces they run."""
         outcome["completion_s"] = time.time() - run.accepted
-        await self.state.call("trace_done", run.caller.name, outcome, request)
+        try:
+            await self.state.call("trace_done", run.caller.name, outcome, request)
+        except Exception:  # noqa: BLE001 - the state gone (Serve stopping, its host restarting): answer anyway
+            pass  # the trace's metrics are lost, and its slot with the state that counted it
 
     async def _in_background(self, run: _Run, poll_s: float = 0.5) -> None:
         """An asynchronous trace; a cancel may arrive at any ingress replica (the state holds it)."""

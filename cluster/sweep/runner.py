@@ -56,7 +56,7 @@ from interlace.cluster.sweep.shard_writer import (
     shard_stem,
 )
 from interlace.cluster.sweep.store import SweepStore, is_url, shard_tensors
-from interlace.core import settings
+from interlace.core import settings, sigterm
 from interlace.core.trace import batched, programs_by_value
 
 MANIFEST = "manifest.json"
@@ -89,8 +89,9 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
     started_ray = not ray.is_initialized()
     if started_ray:
         # Never another process's Ray by accident: a running cluster only when asked (ray job submit sets RAY_ADDRESS).
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
-                 log_to_driver=False)
+        with sigterm.kept_across_ray_init():  # `interlace sweep` stops on SIGTERM as on Ctrl-C
+            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
+                     log_to_driver=False)
     try:
         with _data_context(enable_progress_bars=False):
             rows = read_prompts(cfg.input)
@@ -108,6 +109,11 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
                 if not isinstance(exc, SweepStopped):  # its own status is written already
                     manifest["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                     _write_manifest(out, manifest)
+                raise
+            except BaseException:  # Ctrl-C, SIGTERM: the pool is stopped on the way out (_stream)
+                manifest["status"] = f"stopped: {'SIGTERM' if sigterm.received() else 'interrupted'}; rerun to resume"
+                manifest["summary"] = progress.summary()
+                _write_manifest(out, manifest)
                 raise
         manifest["shared"] = _merge_shared(out, manifest)
         manifest["status"] = "complete"
