@@ -1,10 +1,14 @@
-"""The Serve application's paths that need a fault or a clock: a server fault mid-stream, the 504
-of ``limits.max_trace_s``, and a cancelled asynchronous trace.
+"""The Serve application's paths that need a fault, a clock or load: a server fault mid-stream,
+the 504 of ``limits.max_trace_s``, a cancelled asynchronous trace, and Serve autoscaling the engine
+replicas up and back down.
 
 Real parts only: a local Ray started here, the Serve application on 127.0.0.1, HTTP through
-httpx, a CPU engine of the tiny Llama. The application is strict: one engine replica,
-``max_trace_s`` of 4 s, ``cluster.max_retries`` 0 (the first engine death fails the trace instead
-of re-running it).
+httpx, CPU engines of the tiny Llama. Two applications, one after the other on the same Ray (at
+most two engines at once):
+
+- a strict one (one engine replica, ``max_trace_s`` of 4 s, ``cluster.max_retries`` 0, so the first
+  engine death fails the trace instead of re-running it);
+- an autoscaling one (1 to 2 engine replicas, Serve's delays shortened).
 
 References are the endpoint's own first answers to the same bodies, on its first replica before
 anything happened (test_serve.py compares the endpoint with ``interlace.Model``).
@@ -18,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import cloudpickle
@@ -117,6 +122,15 @@ def _engine_handle():
     from ray import serve
 
     return serve.get_deployment_handle("InterlaceEngine", app_name="interlace")
+
+
+def _engine_replica_states() -> dict[str, int]:
+    """The engine deployment's replicas by state, as Serve reports them (``{"RUNNING": 2}``...)."""
+    from ray import serve
+
+    app = serve.status().applications.get("interlace")
+    deployment = app.deployments.get("InterlaceEngine") if app is not None else None
+    return dict(deployment.replica_states) if deployment is not None else {}
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +263,122 @@ class TestStrictEndpoint:
         invoke = next(d for kind, d in events if kind == "invoke")
         assert torch.allclose(load_tensors(base64.b64decode(invoke["tensors"]))["layers.1.resid"],
                               load_tensors(base64.b64decode(again.json()["tensors"]))["invokes.0.layers.1.resid"], atol=1e-4)
+
+
+# --- autoscaling ----------------------------------------------------------------------------------
+
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
+               "upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2}
+HEAVY_CLIENTS = 8
+PROMPTS = [f"Load {k}: the quick brown fox" for k in range(6)]
+
+
+def _load_body(k: int) -> dict:
+    return {"invokes": [{"prompt": PROMPTS[k], "ops": SAVE}], "max_tokens": 24, "sampling": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="class")
+def scaling(local_ray):
+    from ray import serve
+
+    url = _start({"cluster": {"model": "tiny-llama", "max_in_flight": 4}, "autoscaling": AUTOSCALING})
+    yield url
+    serve.shutdown()
+
+
+def test_the_autoscaling_knobs_reach_serve():
+    from ray.serve.config import AutoscalingConfig as ServeAutoscaling
+
+    from interlace.cluster.config import ServeConfig
+    from interlace.cluster.serve.app import _engine_options
+
+    cfg = ServeConfig.model_validate({"cluster": {"model": "tiny-llama"}, "autoscaling": AUTOSCALING})
+    options = _engine_options(cfg)
+    assert "num_replicas" not in options
+    serve_config = ServeAutoscaling(**options["autoscaling_config"])  # names and values Serve takes
+    assert {name: getattr(serve_config, name) for name in AUTOSCALING} == AUTOSCALING
+
+
+class TestAutoscaling:
+    def test_serve_scales_the_engines_up_under_load_and_down_when_idle_each_request_answered_once(self, scaling):
+        url = scaling
+        assert _engine_replica_states() == {"RUNNING": 1}
+        want = {}
+        for k in range(len(PROMPTS)):
+            response = _post(url, _load_body(k))
+            assert response.status_code == 200, response.text[:300]
+            want[k] = response.json()
+        before = _scrape(url)
+
+        sent = [0]
+        answers: list[tuple[int, int, dict | str]] = []  # (prompt, status, answer), one per request sent
+        lock = threading.Lock()
+
+        def send(k: int) -> None:
+            with lock:
+                sent[0] += 1
+            response = _post(url, _load_body(k))
+            with lock:
+                answers.append((k, response.status_code, response.json() if response.status_code == 200 else response.text))
+
+        def client(i: int, until: threading.Event) -> None:
+            n = 0
+            while not until.is_set():
+                send((i + n) % len(PROMPTS))
+                n += 1
+
+        # Up: 8 clients keep 8 traces in flight against a target of 2 per replica, until Serve runs
+        # 2 engine replicas and both have run shards (the new one starts its engine on its first).
+        heavy_done = threading.Event()
+        heavy = [threading.Thread(target=client, args=(i, heavy_done)) for i in range(HEAVY_CLIENTS)]
+        for t in heavy:
+            t.start()
+        busy: dict[str, float] = {}  # replica (process id) -> most shards in flight seen
+        started = time.monotonic()
+        try:
+            def both_serving():
+                for replica, value in _shards_in_flight(url).items():
+                    busy[replica] = max(busy.get(replica, 0), value)
+                return _engine_replica_states() == {"RUNNING": 2} and sum(v > 0 for v in busy.values()) == 2
+
+            _wait_until("Serve runs 2 engine replicas and both run shards", both_serving, 180, every_s=0.5)
+        finally:
+            heavy_done.set()
+            for t in heavy:
+                t.join(300)
+        scaled_up_s = time.monotonic() - started
+        replicas = [int(r) for r in busy]
+        processes = {pid: [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)] for pid in replicas}
+
+        # Down: one client, one trace at a time (half the target of one replica), until Serve is back
+        # at one engine replica; requests keep coming while it stops the other.
+        light_done = threading.Event()
+        light = threading.Thread(target=client, args=(0, light_done))
+        light.start()
+        try:
+            _wait_until("Serve is back at 1 engine replica", lambda: _engine_replica_states() == {"RUNNING": 1},
+                        120, every_s=0.5)
+            scaled_down_s = time.monotonic() - started - scaled_up_s
+            n = len(answers)
+            _wait_until("3 more answers on one replica", lambda: len(answers) >= n + 3, 60)
+        finally:
+            light_done.set()
+            light.join(300)
+
+        # Every request sent was answered once, with the answer its body has on a lone replica.
+        assert len(answers) == sent[0] and sent[0] > 2 * HEAVY_CLIENTS
+        for k, status, answer in answers:
+            assert status == 200, answer[:300]
+            _same_answer(answer, want[k])
+        after = _scrape(url)
+        for name, labels in [("interlace_requests_total", (("route", "/v1/traces"), ("status", "200"))),
+                             ("interlace_completion_seconds_count", ())]:
+            assert after[(name, labels)] - before.get((name, labels), 0) == sent[0], name
+        # One replica was stopped, and every process of its engine ended with it.
+        stopped = _wait_until("a stopped replica's process ends",
+                              lambda: [pid for pid in replicas if not psutil.pid_exists(pid)], 30)
+        assert len(stopped) == 1, (replicas, stopped)
+        _, alive = psutil.wait_procs(processes[stopped[0]], timeout=30)
+        assert not alive, f"processes of the stopped engine replica left running: {alive}"
+        print(f"\n{sent[0]} requests; 2 replicas serving after {scaled_up_s:.0f}s of load, back to 1 "
+              f"{scaled_down_s:.0f}s after the load eased")
