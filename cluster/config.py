@@ -206,6 +206,14 @@ class AutoscalingConfig(BaseModel):
     max_replicas: int = Field(1, ge=1, description="The most engine replicas Serve starts under load.")
     target_ongoing_requests: float = Field(
         4.0, gt=0, description="Trace shards in flight per replica that Serve aims for when it scales.")
+    # Serve's own timing knobs, passed through with Serve's defaults.
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="How long the load must call for more replicas before Serve adds them.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="How long the load must call for fewer replicas before Serve removes them "
+        "(a removed replica finishes its shards in flight first, up to 30 s).")
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="The window over which Serve averages the shards in flight to decide.")
 
     @model_validator(mode="after")
     def _check(self) -> "AutoscalingConfig":

@@ -190,7 +190,7 @@ class Ingress:
                                  [payloads[i] for i in indices], req.settings(), stages)
                 try:
                     if on_event is None:
-                        outcome = await self.engine.run_here.remote(task)
+                        outcome = await _cancelled_with_caller(self.engine.run_here.remote(task))
                         timing["started"] = min(filter(None, [timing["started"], outcome.started_at]))
                         if outcome.first_token_s is not None:
                             first = outcome.started_at + outcome.first_token_s
@@ -222,10 +222,15 @@ class Ingress:
         return assemble(invokes, completions, reports), run_timing
 
     async def _stream_shard(self, task, indices, completions, reports, timing, on_event) -> None:
-        async for message in self.engine.options(stream=True).stream.remote(task):
-            # The engine deployment sends what a stream gathered meanwhile as one ("batch", events).
-            for event in message[1] if message[0] == "batch" else [message]:
-                await self._stream_event(event, indices, completions, reports, timing, on_event)
+        stream = self.engine.options(stream=True).stream.remote(task)
+        try:
+            async for message in stream:
+                # The engine deployment sends what a stream gathered meanwhile as one ("batch", events).
+                for event in message[1] if message[0] == "batch" else [message]:
+                    await self._stream_event(event, indices, completions, reports, timing, on_event)
+        except asyncio.CancelledError:
+            stream.cancel()  # as in _cancelled_with_caller
+            raise
 
     async def _stream_event(self, event, indices, completions, reports, timing, on_event) -> None:
         kind = event[0]
@@ -463,6 +468,19 @@ class Ingress:
         if state is None:
             raise Refused(404, "NotFound", f"no trace {trace_id!r} of this token")
         return JSONResponse({"id": trace_id, "status": state})  # "cancelling", or "finished" already
+
+
+async def _cancelled_with_caller(response):
+    """``await response`` (a call to the engine deployment), cancelling the call on its replica
+    when the awaiting task is cancelled: the trace ran past ``max_trace_s``, an asynchronous trace
+    was cancelled. Serve cancels a call only when asked (or when the HTTP request that made it is
+    gone); left alone, the shard ran on to its end on the engine, holding one of the replica's
+    ``max_in_flight`` places and its share of every step for a trace whose caller had its answer."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
 
 
 def _refused_by_engine(exc: BaseException) -> bool:
