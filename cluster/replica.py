@@ -12,8 +12,12 @@ object store): no file system is shared between nodes. The refs are owned by thi
 replica that dies before the driver fetched them loses them: the driver then re-runs the trace.
 
 A dead engine (its engine-core or a worker process killed) ends the actor's process: Ray restarts
-the actor (``max_restarts``), the calls it held fail on the driver, and the driver re-runs those
-shards as a new attempt on a live replica.
+the actor (``max_restarts``) and the driver re-runs the shards it held as new attempts on a live
+replica. Before it ends, :meth:`Replica.run` answers each shard it held with an
+:class:`~interlace.core.wire.EngineDeath` that says whose program, if any, ended the engine (the
+dead ranks' flight records, workers/flight.py): the driver fails that trace, never runs it again,
+and re-runs the others without spending their retries. (``run_here`` and ``stream``, Serve's and
+sweeps' paths, end the process at once, as before: their callers retry on their own terms.)
 """
 
 from __future__ import annotations
@@ -35,11 +39,18 @@ from interlace.cluster.janitor import remove_on_exit
 from interlace.cluster.placement import host_actor_options
 from interlace.cluster.serve.state import SharedState
 from interlace.core import settings
-from interlace.core.wire import Completion, Report, SavesOnNode, SavesRef, ShardTask
+from interlace.core.wire import Completion, EngineDeath, Report, SavesOnNode, SavesRef, ShardTask
+from interlace.workers.flight import culprit, read_records
 from interlace.workers.sink import discard
 
 REPORT_GRACE_S = 30.0  # how long to wait for a shard's reports after its generation ended
 _POLL_S = 0.005
+_ANSWER_S = 5.0  # after its engine died, how long the replica waits for its shards' calls to answer
+_FLUSH_S = 1.0  # then how long it lets Ray send those answers before the process ends
+
+
+class _EngineGone(Exception):
+    """The engine died under a shard that was not waiting on it (it was reading reports)."""
 
 
 class Replica:
@@ -71,11 +82,14 @@ class Replica:
         self.in_flight = 0
         self.max_in_flight_seen = 0
         self.shards_served = 0
+        self._death: EngineDeath | None = None  # the engine died: this process ends soon
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def ready(self) -> dict[str, Any]:
         """Start the engine if it is not up; the replica's facts for the driver."""
+        if self._death is not None:  # not ready until restarted: this call fails as the process ends
+            await asyncio.Event().wait()
         await self._engine_up()
         return self.info()
 
@@ -149,16 +163,19 @@ class Replica:
 
     async def run(self, task: ShardTask) -> list[Completion]:
         """Run one shard: generate every invoke, forward its reports to the collector, return the
-        completions (in the shard's invoke order)."""
+        completions (in the shard's invoke order), or an :class:`EngineDeath` when the engine died
+        under it (this process then ends: see :meth:`_engine_died`)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if self._death is not None:
+            return self._death
         engine = await self._engine_up()
         self.in_flight += 1
         self.max_in_flight_seen = max(self.max_in_flight_seen, self.in_flight)
         try:
             return await self._run(engine, task)
-        except EngineDeadError:
-            self._die(f"engine died while running shard {task.wire_trace}")
+        except (EngineDeadError, _EngineGone):
+            return self._engine_died(task)
         finally:
             self.in_flight -= 1
             self.shards_served += 1
@@ -180,6 +197,8 @@ class Replica:
         watcher.poll()
         while not watcher.done:
             await asyncio.sleep(_POLL_S)
+            if self._death is not None:
+                raise _EngineGone()
             watcher.poll()
         return watcher
 
@@ -322,6 +341,46 @@ class Replica:
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
         discard(watcher.folder)
         return reports
+
+    def _engine_died(self, task: ShardTask) -> EngineDeath:
+        """Why the engine died (found once per engine); this process ends once the shards it held
+        have their answer."""
+        if self._death is None:
+            self._death = self._attribute()
+            blamed = f"; trace {self._death.culprit}'s program ended it" if self._death.culprit else ""
+            print(f"interlace replica {self.index}: engine died while running shard {task.wire_trace}{blamed}", flush=True)
+            asyncio.get_running_loop().create_task(self._die_once_answered())
+        return self._death
+
+    def _attribute(self) -> EngineDeath:
+        """The trace whose program ended the engine, from the dead ranks' flight records
+        (workers/flight.py ``culprit``: the program the watchdog ended, else the one whose code
+        was running when its process ended)."""
+        record = culprit(read_records(self.sink_root))
+        if record is None:
+            return EngineDeath(self.index, None)
+        invoke, limit = record["invoke"], record.get("limit_s", 0.0)
+        if record["state"] == "overran":
+            cause, message = "time_limit", (
+                f"invoke {invoke}'s program ran past the trace's time limit of {limit:g}s and did not stop (it "
+                "caught the interruption, e.g. with `except BaseException`, or sat in one long call into C), so "
+                f"interlace ended the engine's process (replica {self.index}). Let ProgramError propagate "
+                "(catch Exception, not BaseException) and keep blocking calls short")
+        else:
+            cause, message = "exited", (
+                f"invoke {invoke}'s program ended the engine's process while it ran (replica {self.index}): it "
+                "called os._exit, crashed the interpreter or a C extension, or the process was killed while it ran "
+                "(e.g. for memory)")
+        return EngineDeath(self.index, ShardTask.trace_of(record["trace"]), invoke, cause, message)
+
+    async def _die_once_answered(self) -> None:
+        """End this process once every shard call it held returned (its EngineDeath on the way)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ANSWER_S
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(_FLUSH_S)  # Ray sends a returned call's answer from its own threads
+        self._die("engine died")
 
     def _die(self, why: str) -> None:
         """End this process (and what is left of the engine's) so Ray restarts the actor."""

@@ -13,7 +13,7 @@ interventions, and docs/ for steering, logit lens and activation patching exampl
 from typing import TYPE_CHECKING
 
 from interlace.core import ops
-from interlace.core.trace import InterventionError, InvokeResult, TraceResult, WorkerDied, batched
+from interlace.core.trace import InterventionError, InvokeResult, ProgramEndedEngine, TraceResult, WorkerDied, batched
 
 if TYPE_CHECKING:
     from interlace.cluster_client import Cluster, connect
@@ -34,4 +34,4 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_LAZY[name]), name)
 
 
-__all__ = ["Model", "Cluster", "connect", "Trace", "TraceResult", "InvokeResult", "InterventionError", "WorkerDied", "batched", "ops", "open_sweep"]
+__all__ = ["Model", "Cluster", "connect", "Trace", "TraceResult", "InvokeResult", "InterventionError", "WorkerDied", "ProgramEndedEngine", "batched", "ops", "open_sweep"]

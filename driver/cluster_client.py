@@ -28,6 +28,12 @@ are held). Replicas return the tokens; reports go from replicas straight to the 
 hands them over once complete, shared values merged. A shard whose replica died is re-run on a
 live one as a new attempt (the collector counts each report once, newest attempt only); a trace
 the collector lost (restarted) is re-run whole. Each future resolves once.
+
+A trace whose own program ended an engine (it would not stop at its time limit, or it ended the
+process: the replica says so, :class:`~interlace.core.wire.EngineDeath`) fails at once with
+:class:`~interlace.core.trace.ProgramEndedEngine` and never runs again; the other shards lost
+with that engine run again without spending their ``max_retries`` (a death nothing pins on a
+program spends them, as does a replica that vanished without a word).
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ from interlace.cluster.placement import check_fits_a_node, check_replicas_fit, r
 from interlace.cluster.replica import replica_actor
 from interlace.cluster.shards import joined_invokes, plan_shards
 from interlace.core import sigterm
-from interlace.core.trace import TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
-from interlace.core.wire import Completion, InvokePayload, SavesOnNode, SavesRef, ShardTask
+from interlace.core.trace import ProgramEndedEngine, TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
+from interlace.core.wire import Completion, EngineDeath, InvokePayload, SavesOnNode, SavesRef, ShardTask
 from interlace.model import Model, Trace
 from interlace.remote import Remote
 from interlace.workers.points import ModuleTree
@@ -115,6 +121,8 @@ class Cluster:
         self._queue = threading.BoundedSemaphore(self.config.max_queued)
         self._held = 0  # traces queued or running
         self._reruns = 0  # whole-trace re-runs after the collector lost a trace's reports
+        self._culprits = 0  # traces failed because their own program ended an engine
+        self._innocent_reruns = 0  # shards re-run, not counted, after another trace's program ended their engine
         self._count_lock = threading.Lock()
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -213,6 +221,11 @@ class Cluster:
     async def _run_trace(self, trace_id: str, trace: Trace, payloads: list[InvokePayload | None]) -> TraceResult:
         try:
             return await self._run_trace_once(trace_id, trace, payloads)
+        except ProgramEndedEngine:
+            self._culprits += 1
+            with contextlib.suppress(Exception):
+                self.collector.drop.remote(trace_id)
+            raise
         except BaseException:
             with contextlib.suppress(Exception):  # its reports, if any came, are freed
                 self.collector.drop.remote(trace_id)
@@ -286,22 +299,35 @@ class Cluster:
         import ray
 
         size = len(task.prompts)
-        for tries in range(self.config.max_retries + 1):
+        lost = 0  # deaths counted against max_retries: not another trace's program's doing
+        for dispatch in itertools.count():
             attempt = next(attempts)
             task = dataclasses.replace(task, attempt=attempt)
-            if tries:
+            if dispatch:
                 await self._tell_collector("retry", task.trace, task.expected(), attempt)
             slot = await self._acquire(size)
             try:
                 out = await slot.actor.run.remote(task)
-                slot.shards += 1
-                return out
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                 self._replica_failed(slot)
+                lost += 1
+            else:
+                if not isinstance(out, EngineDeath):
+                    slot.shards += 1
+                    return out
+                self._replica_failed(slot)
+                if out.blames(task.trace):  # its own program: running it again would end another engine
+                    raise ProgramEndedEngine(f"trace {task.trace}: {out.message}; the trace is not run again",
+                                             invoke=out.invoke, cause=out.cause)
+                if out.culprit is None:
+                    lost += 1
+                else:
+                    self._innocent_reruns += 1
             finally:
                 await self._release(slot, size)
-        raise WorkerDied(f"trace {task.trace}: shard {task.shard} lost its replica "
-                         f"{self.config.max_retries + 1} times (max_retries={self.config.max_retries}); giving up")
+            if lost > self.config.max_retries:
+                raise WorkerDied(f"trace {task.trace}: shard {task.shard} lost its replica {lost} times "
+                                 f"(max_retries={self.config.max_retries}); giving up")
 
     # --- routing -----------------------------------------------------------------------------
 
@@ -353,8 +379,11 @@ class Cluster:
     # --- status ------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """Replicas (state, node, shards in flight, restarts, shards served), queue depth, and how
-        many traces ran again whole because the collector lost their reports (it restarted)."""
+        """Replicas (state, node, shards in flight, restarts, shards served), queue depth, how
+        many traces ran again whole because the collector lost their reports (it restarted), and
+        ``lost_to_programs``: traces failed because their own program ended an engine
+        (``culprits``) and shards of other traces re-run after such a death (``reruns``, not
+        counted against their ``max_retries``)."""
         return {
             "replicas": [{"index": s.index, "state": s.state, "node": s.node, "pid": s.pid,
                           "in_flight": s.in_flight, "restarts": s.restarts, "shards_served": s.shards}
@@ -362,6 +391,7 @@ class Cluster:
             "queued": self._held - sum(s.in_flight for s in self._replicas),
             "held": self._held,
             "reruns": self._reruns,
+            "lost_to_programs": {"culprits": self._culprits, "reruns": self._innocent_reruns},
         }
 
     def replica_info(self) -> list[dict]:

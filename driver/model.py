@@ -37,6 +37,7 @@ from interlace.core import settings as interlace_settings
 from interlace.core.trace import (
     Invoke,
     InvokeResult,
+    ProgramEndedEngine,
     TraceResult,
     WorkerDied,
     check_trace,
@@ -44,6 +45,8 @@ from interlace.core.trace import (
     new_trace_id,
 )
 from interlace.core.wire import Completion, Report
+from interlace.workers.flight import FOLDER as FLIGHT
+from interlace.workers.flight import culprit, read_records
 from interlace.workers.points import ModuleTree
 from interlace.workers.sink import DATA, close_sink, discard, read_new_reports
 
@@ -165,8 +168,16 @@ class Model:
         except EngineDeadError as exc:
             self._drop_dead_engine()
             stopped = self._last_words(trace_id)
+            running = culprit(read_records(self._sink_root))  # the dead ranks' flight records
+            shutil.rmtree(self._sink_root / FLIGHT, ignore_errors=True)
             if stopped:  # interlace ended the worker itself (workers/calls.py's last resort)
-                raise WorkerDied(f"trace {trace_id}: {stopped}") from exc
+                raise ProgramEndedEngine(f"trace {trace_id}: {stopped}", running and running["invoke"], "time_limit") from exc
+            if running is not None and running["trace"] == trace_id:
+                raise ProgramEndedEngine(
+                    f"trace {trace_id}: the engine's worker process died while invoke {running['invoke']}'s "
+                    "program ran (it called os._exit, crashed the interpreter or a C extension, or the process "
+                    "was killed while it ran, e.g. for memory). This trace's results are lost; the next trace "
+                    "starts a new engine.", running["invoke"], "exited") from exc
             raise WorkerDied(
                 f"trace {trace_id}: the engine's worker process died while running it (a program "
                 "that crashed the interpreter, or the system killing the process, e.g. for memory). "

@@ -20,6 +20,10 @@ ends the worker process, after writing the reason into the invokes' reports: the
 once (not when vLLM's own time-outs fire, minutes later), the driver's error names the program
 that ignored its time limit, and the next trace starts a new engine.
 
+Whatever ends the process while a program's code runs (that last resort, ``os._exit``, a crash),
+the rank's flight recorder (flight.py) names the program: :meth:`ProgramCall._switch_in` marks it
+running for each switch into the program, and idle when control comes back.
+
 Under tensor parallelism every rank runs the same program on the same values, and some of its
 accesses enter a collective (a value split across ranks is gathered whole). A rank that stopped
 a program on its own clock would skip a collective the other ranks enter, and the group would
@@ -94,8 +98,12 @@ class ProgramCall:
     """One program run over one step; the engine drives it with :meth:`start` and :meth:`resume`."""
 
     def __init__(self, program: Callable, view, budget_s: float, limit_s: float, replay: list | None = None,
-                 keep_log: bool = False, local_limits: bool = True, replay_points: list | None = None):
+                 keep_log: bool = False, local_limits: bool = True, replay_points: list | None = None,
+                 flight=None):
         self.program = program
+        # The rank's flight recorder entry for this program (flight.py): marked while the
+        # program's code runs, so a process it ends can be pinned on it. None: not recorded.
+        self.flight = flight
         # False under TP > 1: time-outs are decided at points every rank agrees on (module docstring)
         self.local_limits = local_limits
         self.view = view
@@ -158,11 +166,16 @@ class ProgramCall:
         self._engine = greenlet.getcurrent()
         started = time.monotonic()
         WATCHDOG.enter(self, started + self.budget_s - self.used_s)
+        flight = self.flight
+        if flight is not None:
+            flight.enter()
         try:
             self._greenlet.switch(value)
         except ProgramError:  # an interruption that landed as the program was leaving (see Watchdog)
             pass
         finally:
+            if flight is not None:
+                flight.leave()
             WATCHDOG.leave(self)
             self.used_s += time.monotonic() - started
         # Interrupted by the watchdog (on any layout), or finished past the limit by this rank's
@@ -187,11 +200,15 @@ class ProgramCall:
         """Raise :class:`ProgramError` at the point the program waits at, so its frames unwind."""
         if self._greenlet:  # started and not finished: waiting at a point
             WATCHDOG.enter(self, time.monotonic())  # a program that swallows the stop is interrupted
+            if self.flight is not None:
+                self.flight.enter()  # its except and finally blocks run now
             try:
                 self._greenlet.throw(ProgramError(why))
             except ProgramError:
                 pass
             finally:
+                if self.flight is not None:
+                    self.flight.leave()
                 WATCHDOG.leave(self)
 
     def _time_out(self) -> None:
@@ -310,8 +327,9 @@ def _end_process(call: ProgramCall, late_s: float) -> None:
     """The last resort for a program that does not stop: record why, then end this process.
 
     Its thread is the engine's; while it runs, nothing else in the engine can. The record goes
-    where the invokes' reports go (``last_words`` of the interleaver serving the call), so the
-    driver can say which program it was and what happened."""
+    where the invokes' reports go (``last_words`` of the interleaver serving the call), and the
+    rank's flight record says the program overran (flight.py: a replica reads it), so the driver
+    can say which program it was and what happened."""
     record = {
         "type": "ProgramIgnoredTimeLimit",
         "message": (
@@ -325,6 +343,8 @@ def _end_process(call: ProgramCall, late_s: float) -> None:
         "traceback": "",
     }
     try:
+        if call.flight is not None:
+            call.flight.recorder.overran(call.flight)
         last_words = getattr(getattr(call.view, "_ctx", None), "services", None)
         if last_words is not None and hasattr(last_words, "last_words"):
             last_words.last_words(call.view._ctx, record)

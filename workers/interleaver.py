@@ -33,6 +33,7 @@ import torch
 
 from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.dispatch import PointDispatcher
+from interlace.workers.flight import entry_for
 from interlace.workers.hooks import HookSet
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpOrder, applied_bit, selected_nothing
@@ -133,7 +134,16 @@ class Interleaver(ProgramServices):
             if payload.get("program") is not None:
                 key = payload["program_key"]
                 if key not in self._programs:
-                    self._programs[key] = _on_device(cloudpickle.loads(payload["program"]), self.device)
+                    # unpickling runs the program's own code too (__reduce__, module-level statements)
+                    flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
+                    if flight is not None:
+                        flight.enter()
+                    try:
+                        program = cloudpickle.loads(payload["program"])
+                    finally:
+                        if flight is not None:
+                            flight.leave()
+                    self._programs[key] = _on_device(program, self.device)
                 state.program = self._programs[key]
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
                 self.slots.group[state.slot] = self.scheduler.group_number(state.group_key)
@@ -269,10 +279,12 @@ class Interleaver(ProgramServices):
             ctx = CallContext(key=group_key, tree=self.tree, services=self, members=members,
                               timeout_s=float(self.slots.time_left[members.slots[0]]))
             view = ProgramView(ctx)
-            call = ProgramCall(members.states[0].program, view, budget_s=ctx.timeout_s,
-                               limit_s=members.states[0].timeout_s, replay=carried.values if carried is not None else None,
+            first = members.states[0]
+            call = ProgramCall(first.program, view, budget_s=ctx.timeout_s,
+                               limit_s=first.timeout_s, replay=carried.values if carried is not None else None,
                                replay_points=carried.points if carried is not None else None,
-                               keep_log=not self.stages.last, local_limits=self.agree_max is None)
+                               keep_log=not self.stages.last, local_limits=self.agree_max is None,
+                               flight=entry_for(first.sink, first.trace, first.invoke, first.timeout_s))
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))

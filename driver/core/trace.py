@@ -108,6 +108,21 @@ class WorkerDied(RuntimeError):
     for the next one."""
 
 
+class ProgramEndedEngine(WorkerDied):
+    """A trace's own program ended the engine it ran on: it would not stop at the trace's time
+    limit (interlace's watchdog ended the process) or it ended the process itself (``os._exit``,
+    a crash). On a cluster the trace is not run again (it would end the next engine too); the
+    other traces that shared the engine are. ``invoke``: whose program; ``cause``: "time_limit"
+    or "exited"."""
+
+    def __init__(self, message: str, invoke: int | None = None, cause: str | None = None):
+        super().__init__(message)
+        self.invoke, self.cause = invoke, cause
+
+    def __reduce__(self):
+        return type(self), (str(self), self.invoke, self.cause)
+
+
 _BY_VALUE = threading.Lock()
 _INSTALLED = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 

@@ -118,6 +118,24 @@ class Completion:
         return cls(list(completion.token_ids), completion.text, logprobs)
 
 
+@dataclass(frozen=True)
+class EngineDeath:
+    """A replica's engine died while it ran a shard: what ``Replica.run`` returns instead of the
+    shard's completions (the replica's process then ends, and Ray restarts it). ``culprit`` names
+    the trace whose own program ended the engine, read from the dead ranks' flight records
+    (workers/flight.py); None: nothing pins the death on a program (the engine's own failure, the
+    system killing a process...)."""
+
+    replica: int  # the replica's index
+    culprit: str | None  # the user's trace id whose program ended the engine; None: not attributable
+    invoke: int | None = None  # the culprit's invoke whose program it was
+    cause: str | None = None  # "time_limit": it did not stop at its limit; "exited": it ended the process
+    message: str = ""  # for the culprit's error: what its program did
+
+    def blames(self, trace: str) -> bool:
+        return self.culprit == trace
+
+
 @dataclass
 class ShardTask:
     """Part of a trace (or all of it) for one replica to run: the invokes that stay together."""
@@ -135,6 +153,11 @@ class ShardTask:
     def wire_trace(self) -> str:
         """The id the workers know this attempt by: unique, so a re-run never meets an old one's state."""
         return f"{self.trace}.{self.shard}.{self.attempt}"
+
+    @staticmethod
+    def trace_of(wire_trace: str) -> str:
+        """The user's trace id in a :attr:`wire_trace` (the workers know no other)."""
+        return wire_trace.rsplit(".", 2)[0]
 
     def expected(self) -> list[tuple[int, int]]:
         """The (invoke, stage) reports this shard owes the collector."""
