@@ -48,13 +48,14 @@ def pooled(m):
     m.share("rows", last, merge="concat")
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def two_replicas(**fields):
+    """A two-replica CPU cluster of the tiny Llama on a local Ray this generator starts; on exit,
+    no replica process may be left (a module fixture's body: ``yield from two_replicas()``)."""
     import ray
 
     assert not ray.is_initialized()
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=400 << 20)
-    config = ClusterConfig(model="tiny-llama", replicas=2, max_in_flight=MAX_IN_FLIGHT, cpu_cores=[[0], [1]])
+    config = ClusterConfig(model="tiny-llama", replicas=2, cpu_cores=[[0], [1]], **fields)
     handle = interlace.Cluster(config)
     pids = [info["pid"] for info in handle.replica_info()]
     yield handle
@@ -62,6 +63,11 @@ def cluster():
     ray.shutdown()
     time.sleep(1)
     assert not [pid for pid in pids if psutil.pid_exists(pid)], "replica processes left behind"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from two_replicas(max_in_flight=MAX_IN_FLIGHT)
 
 
 def build(target, i: int):

@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import time
 
-import psutil
 import pytest
 import torch
 
 import interlace
 from interlace import ops
-from interlace.cluster.config import ClusterConfig
+from test_cluster import two_replicas
 
 INNOCENT = 12
 STEER = torch.linspace(-0.5, 0.5, 128)
@@ -27,19 +26,8 @@ STEER = torch.linspace(-0.5, 0.5, 128)
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-
-    assert not ray.is_initialized()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=400 << 20)
     # max_retries=0: an innocent shard that spent its budget on another trace's program would fail
-    config = ClusterConfig(model="tiny-llama", replicas=2, max_in_flight=4, max_retries=0, cpu_cores=[[0], [1]])
-    handle = interlace.Cluster(config)
-    pids = [info["pid"] for info in handle.replica_info()]
-    yield handle
-    handle.close()
-    ray.shutdown()
-    time.sleep(1)
-    assert not [pid for pid in pids if psutil.pid_exists(pid)], "replica processes left behind"
+    yield from two_replicas(max_in_flight=4, max_retries=0)
 
 
 def innocent(target, i: int):

@@ -14,9 +14,8 @@ none means the death happened in the engine's own code (not attributable to a pr
 
 Cost: a switch into a program marks the record twice (one byte each; the entry's bytes only when
 the program differs from the last one recorded). Measured on the project's 2-core CPU machine:
-0.12 us per switch in and out (``python -m interlace.workers.flight``); a whole
-``ProgramCall.resume`` round trip (switch in, the program waits at its next point) went from
-1.74 to 1.91 us, against a program access of tens of microseconds (its tensor work alone).
+0.12 us per switch in and out (``python -m interlace.workers.flight``), against a program access
+of tens of microseconds (its tensor work alone).
 """
 
 from __future__ import annotations
