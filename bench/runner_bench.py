@@ -2,8 +2,8 @@
 
 A Llama-3 shape with random bf16 weights (``--shape 1b|8b|70b``, bench/shapes.py; no download), N prompts x IN tokens, OUT
 generated tokens each, greedy, eager mode, or with ``--graphs`` both engines compiled with CUDA graphs
-(interlace then declares the ops cases' points as graph taps, whose ops run inside the graphs,
-workers/taps.py, and runs the steps of programs eagerly, workers/graphs.py). Cases:
+(interlace with its default graph taps, every layer's resid: ops run inside the graphs and
+programs between their pieces, workers/taps.py and workers/graphs.py). Cases:
 
     none             the interlace engine, requests without interventions
     ops-save4        declarative: save the last token's residual at 4 layers, every step
@@ -55,8 +55,9 @@ def config(args):
     engine_args = {}
     if getattr(args, "eager_too", False) and args.shape != "tiny":
         engine_args["gpu_memory_utilization"] = 0.28  # three engines share the GPU
-    if getattr(args, "graphs", False):  # vLLM as users run it: compiled, CUDA graphs (both engines)
-        engine_args["enforce_eager"] = False
+    # --graphs: vLLM as users run it, compiled with CUDA graphs (both engines; interlace's default
+    # on a GPU); otherwise both eager
+    engine_args["enforce_eager"] = not getattr(args, "graphs", False)
     update = {"tensor_parallel_size": getattr(args, "tp", 1), "pipeline_parallel_size": getattr(args, "pp", 1)}
     return shapes.model_config(args, **engine_args).model_copy(update=update)
 
@@ -68,7 +69,7 @@ def plain_engine(cfg):
     from interlace.cluster.engine import engine_args, prepare_environment
 
     prepare_environment(cfg)
-    kwargs = engine_args(cfg)
+    kwargs = engine_args(cfg.model_copy(update={"graph_taps": []}))  # vLLM's own compilation settings
     kwargs.pop("worker_extension_cls")
     kwargs.pop("scheduler_cls")
     return LLM(**kwargs)
@@ -80,7 +81,8 @@ def case_layers(layers: int) -> tuple[list[int], int]:
 
 
 def graph_taps(layers: int) -> list[str]:
-    """The points the ops cases use, declared as graph taps on a compiled interlace engine."""
+    """The points the ops cases use (the probes declare only these as graph taps; this bench
+    takes the default, every layer's resid)."""
     save_layers, steer_layer = case_layers(layers)
     return [f"layers.{layer}.resid" for layer in sorted({*save_layers, steer_layer})]
 
@@ -208,8 +210,9 @@ def main() -> None:
     cfg = config(args)
     plain = plain_engine(cfg)
     hf = plain.llm_engine.model_config.hf_config
-    # Compiled: the ops cases' points are graph taps, so their ops run in the CUDA graphs (taps.py)
-    model = interlace.Model(cfg.model_copy(update={"graph_taps": graph_taps(hf.num_hidden_layers) if args.graphs else []}))
+    # Compiled: the default graph taps (every layer's resid), where ops run inside the CUDA graphs
+    # and programs between their pieces (taps.py, graphs.py)
+    model = interlace.Model(cfg)
     eager = interlace.Model(config(argparse.Namespace(**{**vars(args), "graphs": False}))) if args.eager_too else None
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     seeds = itertools.count(1)  # one stream for every size: no pair sees another's prompts (prefix cache)

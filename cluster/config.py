@@ -47,11 +47,13 @@ class ModelConfig(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Further vLLM engine arguments, passed through as is."
     )
-    graph_taps: list[str] = Field(
-        default_factory=list,
-        description="Points whose declarative ops run inside a compiled engine's CUDA graphs: decoder layers' "
-        "residual streams ('layers.3.resid') and their attention or MLP outputs ('layers.3.mlp.output'); ops "
-        "elsewhere, and programs, run their steps eager.",
+    graph_taps: list[str] | Literal["resid", "all"] | None = Field(
+        None,
+        description="Points of a compiled engine where programs and declarative ops run between or inside its "
+        "CUDA graphs: decoder layers' residual streams ('layers.3.resid') and their attention or MLP outputs "
+        "('layers.3.mlp.output'). 'resid': every layer's residual stream; 'all': every layer's residual "
+        "stream, attention and MLP outputs; []: none. Default: 'resid' on a compiled engine, none on an "
+        "eager one. Steps that intervene anywhere else run eager.",
     )
 
     @model_validator(mode="after")
@@ -67,7 +69,7 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_graph_taps(self) -> "ModelConfig":
-        for spec in self.graph_taps:
+        for spec in self.graph_taps if isinstance(self.graph_taps, list) else ():
             if not _GRAPH_TAP.fullmatch(spec):
                 raise ValueError(f"graph_taps entry {spec!r}: a tap is a decoder layer's residual stream "
                                  "('layers.3.resid') or the output of its mlp or attention ('layers.3.mlp.output')")

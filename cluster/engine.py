@@ -3,14 +3,15 @@
 Every engine interlace starts goes through :func:`engine_args`, so the settings each platform needs
 live in one place:
 
-- both: eager mode by default, interlace's worker extension (activated through ``collective_rpc``
+- both: interlace's worker extension (activated through ``collective_rpc``
   once the engine is up) and its gang-admitting scheduler;
 - CPU: an explicit KV cache size (vLLM otherwise sizes it from host memory and fails on a small
   machine) and one OpenMP core binding per rank (the default binding refuses TP/PP); settings
   that compile the model or capture graphs are refused (forward hooks fire only in eager code);
 - GPU: vLLM's custom all-reduce and NVLink multicast off (TP=2 otherwise crashed on shared hosts);
-  ``enforce_eager=False`` gives a compiled engine with CUDA graphs, whose steps that intervene run
-  eager (:mod:`interlace.workers.graphs`).
+  a compiled engine with CUDA graphs unless ``engine_args`` say ``enforce_eager: true``, with graph
+  taps at every layer's residual stream by default, where programs and ops run between or inside
+  the graphs (:mod:`interlace.workers.graphs`, :mod:`interlace.workers.taps`).
 
     >>> from interlace.cluster.config import ModelConfig
     >>> from interlace.cluster.engine import start_engine
@@ -32,7 +33,7 @@ from typing import Any
 
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
-from interlace.workers.plugin import LOAD_ERRORS_ENV, TAPS_KEY
+from interlace.workers.plugin import LOAD_ERRORS_ENV, SPLITTING_OPS, TAPS_KEY
 
 WORKER_EXTENSION = "interlace.workers.extension.InterlaceWorkerExtension"
 SCHEDULER = "interlace.workers.scheduler.make_scheduler"  # a trace's invokes share a step
@@ -54,7 +55,9 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
         tensor_parallel_size=cfg.tensor_parallel_size,
         pipeline_parallel_size=cfg.pipeline_parallel_size,
         seed=cfg.seed,
-        enforce_eager=True,
+        # Compiled with CUDA graphs on a GPU, as vLLM runs by default (programs and ops run at graph
+        # taps, workers/graphs.py); eager on a CPU, whose runner would skip every hook otherwise.
+        enforce_eager=settings.device() == "cpu",
         worker_extension_cls=WORKER_EXTENSION,
         scheduler_cls=SCHEDULER,
     )
@@ -68,15 +71,46 @@ def engine_args(cfg: ModelConfig, **overrides: Any) -> dict[str, Any]:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
     kwargs.update(cfg.engine_args)
     kwargs.update(overrides)
+    taps = graph_taps(cfg, compiled=not kwargs.get("enforce_eager"))
     if settings.device() != "cpu":  # also where the user gives a compilation_config of their own
-        off = _PASSES_ACROSS_TAPS if cfg.graph_taps else ("fuse_allreduce_rms",)
+        off = _PASSES_ACROSS_TAPS if taps else ("fuse_allreduce_rms",)
         kwargs["compilation_config"] = _with_passes_off(kwargs.get("compilation_config"), off)
-    if cfg.graph_taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
+        if taps and not kwargs.get("enforce_eager"):
+            kwargs["compilation_config"] = _split_at_taps(kwargs["compilation_config"])
+    if taps:  # built into the model at load, before vLLM compiles it (workers/plugin.py)
         _refuse_passes_across_taps(kwargs.get("compilation_config"))
-        _check_graph_taps(cfg.graph_taps, kwargs["model"])
-        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), TAPS_KEY: list(cfg.graph_taps)}
+        if isinstance(taps, list):
+            _check_graph_taps(taps, kwargs["model"])
+        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), TAPS_KEY: taps}
     refuse_graph_settings(kwargs)
     return kwargs
+
+
+def graph_taps(cfg: ModelConfig, compiled: bool) -> list[str] | str:
+    """The taps an engine gets: the config's, or by default every layer's residual stream on a
+    compiled engine (where a step that intervenes elsewhere runs eager) and none on an eager one."""
+    if cfg.graph_taps is None:
+        return "resid" if compiled and settings.device() != "cpu" else []
+    return cfg.graph_taps if isinstance(cfg.graph_taps, str) else list(cfg.graph_taps)
+
+
+def _split_at_taps(compilation: Any) -> Any:
+    """``compilation_config`` that splits the compiled model at the tap ops too, so vLLM calls
+    their Python between CUDA-graph pieces (where programs run). A list of splitting ops replaces
+    vLLM's default (attention and KV-cache updates) instead of adding to it, so the default is
+    written out here, read from vLLM itself."""
+    if not isinstance(compilation, dict):
+        return compilation  # a level or a config object: the user's, as given (programs then run eager)
+    ops = compilation.get("splitting_ops")
+    if ops is not None and not ops:
+        raise ValueError("compilation_config splitting_ops=[] with graph taps: the taps must split the compiled "
+                         "graph for programs to run between its pieces; leave splitting_ops out, or graph_taps=[]")
+    if ops is None:
+        # vLLM is imported only by what starts an engine, as here
+        from vllm.config.compilation import CompilationConfig
+
+        ops = [*CompilationConfig._attention_ops, "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
+    return {**compilation, "splitting_ops": [*ops, *(op for op in SPLITTING_OPS if op not in ops)]}
 
 
 # vLLM compile passes that move a tensor-parallel all-reduce past the end of the attention or MLP

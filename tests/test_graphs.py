@@ -45,10 +45,11 @@ def test_plain_traces_run_graphs_and_intervened_ones_run_eager_and_exact(compile
     assert after_plain["eager"] == before["eager"] and after_plain["graph"] >= before["graph"] + 6
     assert plain == oracle.greedy(ids, 6)
 
-    steered = compiled.generate(ids, ops=[ops.add("layers.1.resid", vector)], max_tokens=6, ignore_eos=True).token_ids
+    # an op at a point that is not a graph tap (the default taps are every layer's resid)
+    steered = compiled.generate(ids, ops=[ops.add("layers.1.mlp.output", vector)], max_tokens=6, ignore_eos=True).token_ids
     after_steer = steps(compiled)
     assert after_steer["eager"] >= after_plain["eager"] + 6  # every step of the intervened request
-    assert steered == oracle.greedy(ids, 6, hooks={oracle.layers[1]: lambda out: out + vector}) != plain
+    assert steered == oracle.greedy(ids, 6, hooks={oracle.layers[1].mlp: lambda out: out + vector}) != plain
 
     def save_all(m):
         for i in range(len(oracle.layers)):
@@ -58,6 +59,44 @@ def test_plain_traces_run_graphs_and_intervened_ones_run_eager_and_exact(compile
     expected = oracle.run(ids + out.token_ids[:-1])["resid"]
     for i, want in enumerate(expected):
         torch.testing.assert_close(out.saves[f"resid{i}"], want, atol=ATOL, rtol=ATOL)
+    after_program = steps(compiled)  # its first step eager, the others between graph pieces
+    assert after_program["eager"] == after_steer["eager"] + 1 and after_program["pieces"] >= after_steer["pieces"] + 3
+
+
+@pytest.mark.gpu
+def test_programs_run_between_graph_pieces_as_transformers_computes(compiled, oracles):
+    """Programs that read and write the default taps (every layer's resid) and logits: after their
+    first step, every step runs piecewise CUDA graphs with the programs between the pieces. Batched
+    and per-invoke programs, beside a plain invoke, against transformers with the same edits."""
+    oracle = oracles["tiny-llama"]
+    vector = torch.randn(oracle.model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+    prompts = ["One two three four", "The capital of France is", "Hello, my name is", "A plain one"]
+
+    def steer(m):
+        m.layers[1].resid += vector
+        m.save("resid2", m.layers[2].resid)
+        m.save("logits", m.logits)
+
+    @interlace.batched
+    def together(m):
+        m.layers[1].resid += vector
+        m.save("resid2", m.layers[2].resid)
+        m.save("logits", m.logits)
+    before = steps(compiled)
+    with compiled.trace(max_tokens=6, ignore_eos=True) as tr:
+        tr.invoke(oracle.ids(prompts[0]), program=together)
+        tr.invoke(oracle.ids(prompts[1]), program=together)
+        tr.invoke(oracle.ids(prompts[2]), program=steer)
+        tr.invoke(oracle.ids(prompts[3]))
+    after = steps(compiled)
+    assert after["pieces"] >= before["pieces"] + 5 and after["eager"] <= before["eager"] + 1
+    hooks = {oracle.layers[1]: lambda out: out + vector}
+    for prompt, result in zip(prompts[:3], tr.result.invokes):
+        ids = oracle.ids(prompt)
+        assert result.token_ids == oracle.greedy(ids, 6, hooks=hooks)
+        ref = oracle.run(ids + result.token_ids[:-1], hooks)
+        torch.testing.assert_close(result.saves["resid2"], ref["resid"][2], atol=ATOL, rtol=ATOL)
+    assert tr.result.invokes[3].token_ids == oracle.greedy(oracle.ids(prompts[3]), 6)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,8 @@ from interlace.workers.hooks import HookSet
 from interlace.workers.holds import Held, versions
 from interlace.workers.ops import StepOp, apply as apply_op
 from interlace.workers.pipeline import HERE, StageMap
-from interlace.workers.points import MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows, short_name
+from interlace.workers.points import (MAILBOX, ROW_PER_REQUEST_KINDS, CopyingAccess, ModuleTree, Point, PointAccess, Rows,
+                                      short_name)
 from interlace.workers.readonly import ReadOnlyTensor
 from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, Step
@@ -33,10 +34,11 @@ class PointDispatcher:
 
     def __init__(self, tree: ModuleTree, tp: TensorParallelLayout, stages: StageMap, hooks: HookSet, taps,
                  slots: SlotTable, save_rows: Callable[..., None],
-                 agree_max: Callable[[np.ndarray], np.ndarray] | None):
+                 agree_max: Callable[[np.ndarray], np.ndarray] | None, at_taps: Callable[[Point], bool] | None = None):
         """The interleaver's own parts, shared (``taps``: its graph taps, or None). ``save_rows``:
         how an op's saved rows are kept (the interleaver's ``_save_rows``: limits, ledger, report
-        file); ``agree_max``: under TP > 1, the max over the group for agreement rounds (None: none)."""
+        file); ``agree_max``: under TP > 1, the max over the group for agreement rounds (None: none);
+        ``at_taps``: whether a point is served between graph pieces (None: no taps)."""
         self.tree = tree
         self.tp = tp
         self.stages = stages
@@ -45,12 +47,14 @@ class PointDispatcher:
         self.slots = slots
         self.save_rows = save_rows
         self.agree_max = agree_max
+        self.at_taps = at_taps
 
-    def dispatch(self, step: Step, module: str, family: str, hooked: Any) -> Any:
+    def dispatch(self, step: Step, module: str, family: str, hooked: Any, copies: bool = False) -> Any:
         """Apply the step's ops at this hook, then run the programs waiting here; returns the
-        (possibly rewritten) value."""
+        (possibly rewritten) value. ``copies``: hand out copies only (a tap's value, in memory
+        the next CUDA-graph replay overwrites)."""
         kinds = ("input",) if family == "input" else (("output", "resid", "final") if module else (family,))
-        access = PointAccess(hooked, step.layout)
+        access = (CopyingAccess if copies else PointAccess)(hooked, step.layout)
         for point, step_op in step.ops.get((module, family), ()):
             self._apply_op(step, point, access, step_op)
         delivered: list[tuple[ProgramCall, CallContext]] = []
@@ -132,6 +136,9 @@ class PointDispatcher:
         if not call.done and point.module != MAILBOX and not point.kind.startswith("param:") \
                 and self.stages.where(point) == HERE:
             self.hooks.want(point, owner=ctx.invokes[0].req_id)
+            if self.at_taps is not None and not self.at_taps(point):
+                for state in ctx.invokes:  # its steps run eager from now on (Interleaver.runs_between_pieces)
+                    state.off_taps = True
 
     def _write_back(self, call: ProgramCall, ctx: CallContext) -> None:
         """After the program ran: write what it changed of the values whose hook runs now, its

@@ -37,15 +37,17 @@ class InterlaceWorkerExtension:
 
     def interlace_step_counts(self) -> dict:
         """This rank's ``graph_steps``: on a compiled engine, the steps since start-up that replayed
-        vLLM's graphs, ran ops in graph taps, or ran eager (those that intervened otherwise; None
-        on an eager engine); and ``taps``: on an engine with graph taps, the steps whose ops ran
-        through them and the forwards that ran each tap's ops (by module name; every graph replay
-        does; None without taps)."""
+        vLLM's graphs, ran ops in graph taps, ran programs at the taps between graph pieces, or ran
+        eager (those that intervened otherwise; None on an eager engine); and ``taps``: on an
+        engine with graph taps, the steps whose ops ran through them (``steps``), the steps whose
+        programs ran at them (``programs``), and the forwards that ran each tap's ops (by module
+        name; every graph replay does; None without taps)."""
         inter = self.model_runner._interlace
         taps = None
         if inter.taps is not None:
             ran = inter.taps.ran.tolist()
-            taps = {"steps": inter.tap_steps, "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
+            taps = {"steps": inter.tap_steps, "programs": inter.piece_steps,
+                    "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
         return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps}
 
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:

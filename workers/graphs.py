@@ -34,11 +34,14 @@ import contextlib
 import functools
 from typing import Any
 
+from interlace.workers.plugin import SPLITTING_OPS
+from interlace.workers.tap_graphs import EitherGraph
+
 
 class GraphSwitch:
     """Per-step choice between vLLM's graphs and an eager forward, on one compiled V2 runner."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, taps=None):
         from vllm import forward_context
         from vllm.config.compilation import CUDAGraphMode
         from vllm.forward_context import ForwardContext
@@ -53,18 +56,34 @@ class GraphSwitch:
         self.eager = False  # this step must run the nn.Module forward
         self.entered = False  # and it did
         self.seen = ""  # what the step ran instead, for the error when it did not
-        self.steps = {"graph": 0, "taps": 0, "eager": 0}  # taps: graphs that ran ops (taps.py)
+        # taps: graphs that ran ops (taps.py); pieces: programs at taps between graph pieces
+        self.steps = {"graph": 0, "taps": 0, "pieces": 0, "eager": 0}
+        self.pieces = False  # this step runs piecewise graphs, with programs at the taps between them
+        self.can_piece = splits_at_taps(runner.vllm_config.compilation_config)
         try:
             from vllm.ir import enable_torch_wrap
         except ImportError:  # a vLLM without IR ops
             enable_torch_wrap = None
         self._ir_unwrapped = enable_torch_wrap
+        broken = taps.broken if taps is not None else {}
         if manager is not None:
+            for desc, graph in broken.items():  # steps whose programs run at the taps replay these
+                manager.graphs[desc] = EitherGraph(manager.graphs[desc], graph, self)
             original = manager.dispatch
 
             @functools.wraps(original)
             def dispatch(num_reqs, num_tokens, uniform_token_count, num_active_loras=0):
                 desc = original(num_reqs, num_tokens, uniform_token_count, num_active_loras=num_active_loras)
+                if self.pieces and desc.cg_mode == CUDAGraphMode.FULL:
+                    if desc in broken:
+                        return desc  # its FULL graph cut at the taps (tap_graphs.py)
+                    # no uniform-decode match: the PIECEWISE graph of this size, if any
+                    desc = original(num_reqs, num_tokens, None, num_active_loras=num_active_loras)
+                if (self.eager or self.pieces) and desc.cg_mode == CUDAGraphMode.FULL:
+                    # A FULL graph runs no Python: a mode with no piecewise graph of this size
+                    # falls back to the compiled pieces, called one by one, taps between them.
+                    return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
+                                                    num_reqs=num_reqs, num_active_loras=desc.num_active_loras)
                 if self.eager and desc.cg_mode != CUDAGraphMode.NONE:
                     # What dispatch returns for a batch no graph was captured for: unpadded, no graph.
                     return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
@@ -73,10 +92,11 @@ class GraphSwitch:
 
             manager.dispatch = dispatch
 
-    def begin(self, eager: bool, taps: bool = False) -> None:
-        """Before the runner's step: whether it must run eager, or runs ops in graph taps."""
-        self.eager, self.entered, self.seen = eager, False, "no call of the model's forward"
-        self.steps["eager" if eager else "taps" if taps else "graph"] += 1
+    def begin(self, eager: bool, taps: bool = False, pieces: bool = False) -> None:
+        """Before the runner's step: whether it must run eager, runs ops in graph taps, or runs
+        piecewise graphs with programs at the taps between pieces."""
+        self.eager, self.pieces, self.entered, self.seen = eager, pieces, False, "no call of the model's forward"
+        self.steps["eager" if eager else "pieces" if pieces else "taps" if taps else "graph"] += 1
 
     def running(self):
         """Around the runner's step: in an eager step, vLLM's IR ops (RMSNorm) are called directly,
@@ -102,6 +122,15 @@ class GraphSwitch:
         missed = self.eager and not self.entered
         self.eager = False
         return missed
+
+
+def splits_at_taps(config) -> bool:
+    """Whether vLLM splits the compiled model at interlace's tap ops (engine.py asks it to), so
+    that it calls their Python between graph pieces on every PIECEWISE and eager step."""
+    from vllm.config.compilation import CompilationMode
+
+    return (config.mode == CompilationMode.VLLM_COMPILE and not config.use_inductor_graph_partition
+            and all(op in (config.splitting_ops or ()) for op in SPLITTING_OPS))
 
 
 def is_compiled(runner) -> bool:

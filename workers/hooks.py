@@ -42,6 +42,11 @@ class HookSet:
                 del self._owners[key]
 
     @property
+    def wanted(self) -> dict[tuple[str, str], set[str]]:
+        """The hooked (module, family) pairs, each with its owners (read, never changed)."""
+        return self._owners
+
+    @property
     def installed(self) -> list[tuple[str, str]]:
         return sorted(self._handles)
 

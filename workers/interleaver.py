@@ -80,7 +80,13 @@ class Interleaver(ProgramServices):
         self.graph_steps: dict[str, int] | None = None  # a compiled engine's steps by kind (graphs.py)
         self.taps = getattr(model, "_interlace_taps", None)  # graph taps built in at load (taps.py)
         self.tap_step = False  # set before each step: this step's ops run through taps
+        # A step whose programs and ops run at the taps, between graph pieces (graphs.py): set
+        # before each step where the engine can (``pieces_ok``, set by the runner adapter).
+        self.piece_step = False
+        self.pieces_ok = False
+        self._off_pieces: set[str] = set()  # live invokes that keep a step off the pieces (runs_between_pieces)
         self.tap_steps = 0
+        self.piece_steps = 0  # steps whose programs and ops ran at the taps (between graph pieces)
         self._said_untapped = False
         self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
@@ -88,7 +94,7 @@ class Interleaver(ProgramServices):
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
-                                          self._save_rows, agree_max)
+                                          self._save_rows, agree_max, self.at_taps if self.taps is not None else None)
         self.reports = ReportBatcher(self.ledger, self.slots, self.reporter, rank_info["pp_rank"])
 
     @property
@@ -162,6 +168,27 @@ class Interleaver(ProgramServices):
             self._tap(state)
         if state.tapped is not None:
             self._untapped.discard(req_id)
+        # Between graph pieces only the taps (and logits and samples, outside the model) are
+        # served. A program's points are known only once it ran: its first step runs eager, and
+        # its later ones between pieces if that step read and wrote nothing else (end_step).
+        state.ops_at_taps = self.taps is not None and all(self.at_taps(op["_point"]) for op in state.ops if "_point" in op)
+        if state.error is None and not (state.ops_at_taps and state.program is None):
+            self._off_pieces.add(req_id)
+
+    def at_taps(self, point) -> bool:
+        """Whether a step between graph pieces serves ``point`` on every stage: a declared tap
+        (a layer's output is its resid tap's pair), logits, samples, a message or a parameter."""
+        if point.kind in ("logits", "samples") or point.module == MAILBOX or point.kind.startswith("param:"):
+            return True
+        if point.kind == "output" and self.tree.is_layer(point.module):
+            return (point.module, "resid") in self.taps.declared
+        return (point.module, point.kind) in self.taps.declared
+
+    def runs_between_pieces(self, req_ids) -> bool:
+        """Whether a step of these requests runs its programs and ops at the taps (every
+        intervened one can). Decided from what every rank of a stage saw alike: admission, and
+        the points programs waited for (agreed under TP)."""
+        return self.pieces_ok and not any(r in req_ids for r in self._off_pieces)
 
     def _tap(self, state: InvokeState) -> None:
         """Run the invoke's ops through graph taps if it can (taps.Taps.can_run), holding a vector
@@ -199,6 +226,7 @@ class Interleaver(ProgramServices):
             self.scheduler.end_epochs()
         for state in finished:
             self._untapped.discard(state.req_id)
+            self._off_pieces.discard(state.req_id)
             self.hooks.release(owner=state.req_id)
             for op in state.tapped or ():
                 self.taps.let_go(op)
@@ -263,6 +291,9 @@ class Interleaver(ProgramServices):
             self.step.ops = {}
             self.step.tapped = scheduler.saves_in(ops, memo)
             self.tap_steps += 1
+        elif self.piece_step:  # the tap ops call back between graph pieces: programs and ops run there
+            self.taps.serve, self.taps.served = self._on_tap, 0
+            self.piece_steps += 1
         carry_in, self.carry_in = self.carry_in, {}
         mail = carry_in.pop(MAILBOX, None)  # sent on earlier stages: a receiver may wait for it here
         if mail is not None:
@@ -299,6 +330,8 @@ class Interleaver(ProgramServices):
         step = self.step
         if step is None:
             return {}
+        if self.taps is not None:
+            self.taps.serve = None
         if step.tapped:
             self.dispatcher.take_tapped(step.tapped, step.memo)
         if self.agree_max is not None and step.calls:
@@ -318,10 +351,19 @@ class Interleaver(ProgramServices):
                 if not self.stages.last:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
             self.dispatcher.close_call(call, ctx)
+            if not self.piece_step and call.error is None:
+                self._learned(ctx)
         if step.mailbox and not self.stages.last:  # for receivers that wait on a later stage
             step.carry[MAILBOX] = Carried("mailbox", [(trace, name, value) for (trace, name), value in step.mailbox.items()])
         self.step = None
         return step.carry
+
+    def _learned(self, ctx: CallContext) -> None:
+        """A program ran a step eager: if it waited only at points served between graph pieces
+        (dispatch marks the others), its invokes' later steps may run there."""
+        for state in ctx.invokes:
+            if state.req_id in self._off_pieces and state.ops_at_taps and not state.off_taps and state.error is None:
+                self._off_pieces.discard(state.req_id)
 
     def _goes_on_later(self, call: ProgramCall) -> bool:
         """Waiting for a point a later pipeline stage owns (or, before the last stage, for a
@@ -335,11 +377,22 @@ class Interleaver(ProgramServices):
 
     def _on_point(self, module: str, family: str, hooked: Any) -> Any:
         """Run ops and programs waiting at ``module``; returns the (possibly rewritten) value."""
+        if self.piece_step and family not in ("logits", "samples"):
+            return hooked  # served by the taps (_on_tap) in such a step, as in compiled code
+        return self._dispatch(module, family, hooked, copies=False)
+
+    def _on_tap(self, module: str, value: Any) -> None:
+        """At a tap, in a step between graph pieces: ``value`` lives in CUDA-graph memory that the
+        next replay overwrites, so programs get copies, and writes go back into it in place."""
+        if (module, "output") in self.hooks.wanted:
+            self._dispatch(module, "output", value, copies=True)
+
+    def _dispatch(self, module: str, family: str, hooked: Any, copies: bool) -> Any:
         step = self.step
         if step is None:
             return hooked
         try:
-            return self.dispatcher.dispatch(step, module, family, hooked)
+            return self.dispatcher.dispatch(step, module, family, hooked, copies)
         except Exception as exc:  # noqa: BLE001 - an internal error fails this step's invokes only
             record = error_record(exc, where=f"interlace internals at {module or family}")
             for call, ctx in step.calls:

@@ -24,6 +24,8 @@ import functools
 import os
 
 TAPS_KEY = "interlace_taps"
+# The tap ops (taps.py), named here for engine.py: the driver side must not load torch ops.
+SPLITTING_OPS = ("interlace::tap", "interlace::tap_output")
 LOAD_ERRORS_ENV = "INTERLACE_LOAD_ERRORS"
 
 
@@ -46,15 +48,30 @@ def register() -> None:
 
             scheduler = vllm_config.scheduler_config
             try:
-                install(model, list(specs), max_tokens=scheduler.max_num_batched_tokens,
-                        max_vectors=2 * scheduler.max_num_seqs + 1, dtype=model_config.dtype)
+                taps = install(model, specs if isinstance(specs, str) else list(specs),
+                               max_tokens=scheduler.max_num_batched_tokens,
+                               max_vectors=2 * scheduler.max_num_seqs + 1, dtype=model_config.dtype)
             except (ValueError, TypeError) as exc:  # a refusal of the taps asked for, not a crash
                 tell_the_caller(exc)
                 raise
+            _break_full_graphs(taps, vllm_config.compilation_config)
         return model
 
     load_model._interlace = True
     BaseModelLoader.load_model = load_model
+
+
+def _break_full_graphs(taps, compilation) -> None:
+    """On a GPU engine whose compiled model is split at the taps and which captures FULL graphs,
+    capture them cut at the taps too (tap_graphs.py), for decode steps whose programs run there."""
+    if not taps._on_gpu or not compilation.cudagraph_mode.has_full_cudagraphs():
+        return
+    from interlace.workers import tap_graphs  # lazy, as above: only where a tapped model loads
+    from interlace.workers.graphs import splits_at_taps  # (it loads vLLM's config classes)
+
+    if splits_at_taps(compilation):
+        taps.breaks_graphs = True
+        tap_graphs.install(taps)
 
 
 def _fork_workers_from_the_engine_core() -> None:

@@ -269,6 +269,29 @@ class PointAccess:
         return self.hooked
 
 
+class CopyingAccess(PointAccess):
+    """Reads that are always copies, for a value in memory that the next CUDA-graph replay
+    overwrites (a tap's, between graph pieces): a program may keep what it read past the step.
+    Writes still go into the value in place, where the next piece reads them."""
+
+    def read(self, point: Point, rows: Rows) -> Any:
+        value = super().read(point, rows)
+        if point.kind == "resid":  # a sum: a copy already
+            return value
+        with torch.inference_mode(False):  # a normal tensor: its version counter shows edits
+            return _map(value, lambda t, _d: t.clone(), self.layout.num_tokens, point.kind)
+
+    def read_tensor(self, point: Point, rows: Rows) -> torch.Tensor:
+        value = super().read_tensor(point, rows)
+        if point.kind == "resid":
+            return value
+        with torch.inference_mode(False):
+            return _map(value, lambda t, _d: t.clone(), self.layout.num_tokens, point.kind)
+
+    def is_copy(self, point: Point, rows: Rows) -> bool:
+        return True
+
+
 def _dim(t: Any, num_tokens: int, kind: str) -> int | None:
     if not isinstance(t, torch.Tensor):
         return None

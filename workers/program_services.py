@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from interlace.workers.calls import ProgramCall
+from interlace.workers.pipeline import HERE
 from interlace.workers.points import MAILBOX, ModuleTree, Point, short_name
 from interlace.workers.readonly import ReadOnlyTensor
 from interlace.workers.reports import ReportBatcher, write_now
@@ -136,6 +137,13 @@ class ProgramServices:
                 f"{short_name(point.module)}.{point.kind[6:]} belongs to an earlier pipeline stage, and "
                 f"this program read it after {after}, which runs on a later stage. Read parameters "
                 "before the first access to a later layer's point (they are then carried along)"
+            )
+        if self.piece_step and self.stages.where(point) == HERE and not self.at_taps(point):
+            return (
+                f"{point} is not a graph tap, and this step ran in CUDA-graph pieces, where only taps are "
+                f"served (the program's earlier steps read and wrote taps only). Add it to the engine's "
+                f"graph_taps ('all' taps every layer's resid, attention and MLP outputs), or start the "
+                f"engine with enforce_eager=True"
             )
         return (
             f"{point} was not reached after {after}: it comes earlier in the forward pass than the "

@@ -74,7 +74,7 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         def prepare_inputs(*args, **kwargs):
             batch = original_prepare(*args, **kwargs)
             captured["batch"] = batch
-            if state["in_step"] and inter.tap_step and inter.step is None:  # a graph replay calls no hook:
+            if state["in_step"] and (inter.tap_step or inter.piece_step) and inter.step is None:  # a graph replay calls no hook:
                 _guard(inter, inter.begin_step, current_layout())  # the taps' buffers are set here
             return batch
 
@@ -85,10 +85,14 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         if not is_v2:
             raise RuntimeError("interlace runs interventions on a compiled engine only with vLLM's V2 GPU runner; "
                                "start this engine with enforce_eager=True")
-        switch = GraphSwitch(runner)
+        switch = GraphSwitch(runner, inter.taps)
         inter.graph_steps = switch.steps  # read by the extension's interlace_step_counts
+        inter.pieces_ok = inter.taps is not None and switch.can_piece
         logger.info("interlace: compiled engine; %d custom ops run their CUDA kernels in eager steps",
                     eager_kernels(runner.model))
+
+    elif inter.taps is not None:  # an eager engine runs its taps' Python in every forward: as between pieces
+        inter.pieces_ok = True
 
     def current_layout():
         return layout_from_v2_input_batch(captured["batch"]) if is_v2 else layout_from_v1_runner(runner)
@@ -118,7 +122,10 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         if kv_blocks.held or kv_blocks.preempted_waiting:
             _guard(inter, kv_blocks.update, scheduler_output.scheduled_cached_reqs)
         state["in_step"] = inter.active
-        inter.tap_step = inter.active and bool(_guard(inter, inter.runs_on_taps, scheduler_output.num_scheduled_tokens))
+        scheduled = scheduler_output.num_scheduled_tokens
+        inter.tap_step = inter.active and bool(_guard(inter, inter.runs_on_taps, scheduled))
+        inter.piece_step = (inter.active and not inter.tap_step and scheduler_output.total_num_scheduled_tokens > 0
+                            and bool(_guard(inter, inter.runs_between_pieces, scheduled)))
         if inter.taps is not None and not inter.tap_step:
             _guard(inter, inter.taps.clear)  # ops of an earlier step must not reach this one's rows
         if intermediate_tensors is not None and inter.active:  # an earlier stage's carry
@@ -126,13 +133,18 @@ def install(runner, all_modules: list[str]) -> Interleaver:
         if switch is not None:  # the same choice on every rank: admission is. A step of no tokens
             # (one that only lets finished requests go) runs no forward at all.
             runs = scheduler_output.total_num_scheduled_tokens > 0
-            switch.begin(eager=inter.active and not inter.tap_step and runs, taps=inter.tap_step and runs)
+            switch.begin(eager=inter.active and not inter.tap_step and not inter.piece_step and runs,
+                         taps=inter.tap_step and runs, pieces=inter.piece_step)
         with switch.running() if switch is not None else contextlib.nullcontext():
             output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
         if switch is not None and switch.missed():
             _fail_all(inter, RuntimeError(f"a step that intervenes ran {switch.seen} instead of an eager forward, "
                                           "so interlace's hooks did not run; start the engine with enforce_eager=True"),
                       "a compiled step")
+        if inter.piece_step and inter.taps.index and inter.taps.served == 0:
+            _fail_all(inter, RuntimeError("a step whose programs run at graph taps never reached a tap: this vLLM "
+                                          "did not split its compiled graph there; start the engine with "
+                                          "enforce_eager=True"), "a compiled step")
         if output is not None and state["in_step"]:
             state["in_step"] = False
             carry = _guard(inter, inter.end_step)
@@ -227,3 +239,4 @@ def _fail_all(inter: Interleaver, exc: BaseException, where: str) -> None:
         inv.fail(record)
     if inter.taps is not None:  # a step begun halfway must not run the last one's tapped edits
         inter.taps.clear()
+        inter.taps.serve = None

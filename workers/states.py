@@ -47,6 +47,8 @@ class InvokeState:
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
     error: dict | None = None
     tapped: list[dict] | None = None  # ops that run through graph taps (taps.py): they all do; None: hooks
+    ops_at_taps: bool = False  # every op's point is served between graph pieces (Interleaver.at_taps)
+    off_taps: bool = False  # its program waited at a point not served there: its steps run eager
 
     # Invokes failed so far, in this process: a step tells whether any failed since the last one
     # by comparing one number, not by looking at every invoke of the batch.

@@ -35,6 +35,7 @@ arguments would make torch.compile functionalize their writes (a copy of every b
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from dataclasses import dataclass
@@ -52,26 +53,34 @@ _IDLE, _SAVES, _EDITS = range(3)  # what a step asks of a tap: nothing, saves on
 EDITING = ("add", "scale", "replace", "zero")
 
 
-@torch.library.custom_op("interlace::tap", mutates_args=())
-def tap(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tapped decoder layer's (hidden, residual), with the step's ops applied (see the module)."""
-    return _TAPS.run(hidden, residual, index)
+@torch.library.custom_op("interlace::tap", mutates_args=("hidden", "residual"))
+def tap(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> None:
+    """A tapped decoder layer's (hidden, residual), edited in place by the step's ops and programs."""
+    _TAPS.run(hidden, residual, index)
 
 
 @tap.register_fake
-def _(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(hidden), torch.empty_like(residual)
+def _(hidden: torch.Tensor, residual: torch.Tensor, index: int) -> None:
+    return None
 
 
-@torch.library.custom_op("interlace::tap_output", mutates_args=())
-def tap_output(value: torch.Tensor, index: int) -> torch.Tensor:
-    """A tapped module's output, with the step's ops applied (see the module)."""
-    return _TAPS.run_output(value, index)
+@torch.library.custom_op("interlace::tap_output", mutates_args=("value",))
+def tap_output(value: torch.Tensor, index: int) -> None:
+    """A tapped module's output, edited in place by the step's ops and programs."""
+    _TAPS.run_output(value, index)
 
 
 @tap_output.register_fake
-def _(value: torch.Tensor, index: int) -> torch.Tensor:
-    return torch.empty_like(value)
+def _(value: torch.Tensor, index: int) -> None:
+    return None
+
+
+# The ops split vLLM's compiled graph (engine.py adds them to compilation_config.splitting_ops), so
+# between CUDA-graph pieces vLLM calls their Python on every PIECEWISE replay and eager step, as it
+# does attention. That is where programs run on a compiled engine. A splitting op's outputs would
+# get a fresh address each step while the next piece replays against the address it captured, so
+# the ops return nothing and write in place, as vLLM's own attention op does into its output buffer.
+# Their names: plugin.SPLITTING_OPS.
 
 
 class Taps:
@@ -80,6 +89,17 @@ class Taps:
     def __init__(self, local: list[str], declared: set[tuple[str, str]], hidden_size: int, max_tokens: int,
                  max_vectors: int, dtype: torch.dtype, device: torch.device):
         self.index = {name: i for i, name in enumerate(local)}  # this stage's tapped modules -> tap number
+        self.modules = list(local)
+        # Set by the interleaver for a step whose programs run at the taps (between graph pieces):
+        # called with (module, live value) at each tap; ``served`` counts the calls, so a step that
+        # never reached them (an op not split out of the graph) fails instead of passing silently.
+        self.serve = None
+        self.served = 0
+        # FULL graphs cut at the taps (tap_graphs.py): whether this engine captures them, the
+        # capture under way (its breaks record the tap's Python), and the graphs by batch descriptor.
+        self.breaks_graphs = False
+        self.breaking = None
+        self.broken: dict = {}
         self.declared = declared  # every stage's (module, kind): each stage decides alike from the same ops
         self.max_tokens = max_tokens
         shape = (max_tokens, len(local), 5)  # rows first: a step copies only its own rows
@@ -104,28 +124,56 @@ class Taps:
         """Whether this forward runs the tap op: always where it is compiled or captured (the graph
         serves every later step), and in an eager forward only when this step set some rows, so
         an eager step of a program pays nothing for the taps."""
-        return (torch.compiler.is_compiling() or self._dirty > 0
+        return (torch.compiler.is_compiling() or self._dirty > 0 or self.serve is not None
                 or (self._on_gpu and torch.cuda.is_current_stream_capturing()))
 
-    def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> None:
         asked = self._work(hidden, index)
         if asked == _SAVES:  # the stream as the full path below computes it for rows it leaves alone
             torch.add(hidden, residual, out=self.saved[index, : hidden.shape[0]])
             self.ran[index] += 1
-        if asked != _EDITS:  # a custom op may not return its inputs: copies, not the ~14 kernels below
-            return hidden.clone(), residual.clone()
-        keep, edit = self._apply(hidden + residual, index)
-        return torch.where(keep, hidden, edit), torch.where(keep, residual, torch.zeros_like(residual))
+        elif asked == _EDITS:
+            keep, edit = self._apply(hidden + residual, index)
+            hidden.copy_(torch.where(keep, hidden, edit))
+            residual.masked_fill_(~keep, 0)
+        if self.breaking is not None:
+            self._break(index, (hidden, residual))
+        elif self.serve is not None:
+            self._serve(index, (hidden, residual))
 
-    def run_output(self, value: torch.Tensor, index: int) -> torch.Tensor:
+    def run_output(self, value: torch.Tensor, index: int) -> None:
         asked = self._work(value, index)
         if asked == _SAVES:
             self.saved[index, : value.shape[0]].copy_(value)
             self.ran[index] += 1
-        if asked != _EDITS:
-            return value.clone()
-        keep, edit = self._apply(value, index)
-        return torch.where(keep, value, edit)
+        elif asked == _EDITS:
+            keep, edit = self._apply(value, index)
+            value.copy_(torch.where(keep, value, edit))
+        if self.breaking is not None:
+            self._break(index, value)
+        elif self.serve is not None:
+            self._serve(index, value)
+
+    def _serve(self, index: int, value) -> None:
+        """Hand the live value to the step's programs and ops (the interleaver's dispatch), which
+        write into it in place; never while a graph is captured (a capture has no step)."""
+        if not (self._on_gpu and torch.cuda.is_current_stream_capturing()):
+            self.served += 1
+            self.serve(self.modules[index], value)
+
+    def _break(self, index: int, value) -> None:
+        """In the capture of a FULL graph cut at the taps (tap_graphs.py): end the segment here,
+        and record a call of the step's programs on the tensors at these addresses, which every
+        replay of the segments before writes (weak references: the graph pool owns them)."""
+        from vllm.utils.torch_utils import weak_ref_tensor
+
+        weak = tuple(map(weak_ref_tensor, value)) if isinstance(value, tuple) else weak_ref_tensor(value)
+        self.breaking.add_eager(functools.partial(self._at_break, self.modules[index], weak))
+
+    def _at_break(self, module: str, value) -> None:
+        if self.serve is not None:
+            self.served += 1
+            self.serve(module, value)
 
     def _work(self, stream: torch.Tensor, index: int) -> int:
         """What this call of a tap op must do. A captured graph serves every later step, so a
@@ -321,14 +369,16 @@ def _name(op: dict) -> str:
     return op.get("name") or op["point"]
 
 
-def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: int, dtype: torch.dtype) -> Taps:
-    """Tap the points named by ``specs`` (``"layers.3.resid"``, ``"layers.3.mlp.output"``) before
-    vLLM compiles the model: each tapped module becomes an instance of a subclass whose forward
-    ends in a tap op. Points another pipeline stage runs are declared (every stage decides alike)
-    but not tapped here."""
+def install(model: nn.Module, specs: list[str] | str, max_tokens: int, max_vectors: int, dtype: torch.dtype) -> Taps:
+    """Tap the points named by ``specs`` (``"layers.3.resid"``, ``"layers.3.mlp.output"``, or
+    ``"resid"``/``"all"`` for every layer's) before vLLM compiles the model: each tapped module
+    becomes an instance of a subclass whose forward ends in a tap op. Points another pipeline stage
+    runs are declared (every stage decides alike) but not tapped here."""
     global _TAPS
 
     tree = ModuleTree(model)
+    if isinstance(specs, str):
+        specs = every_layer(tree, specs)
     hidden_size = model.config.hidden_size if hasattr(model, "config") else _hidden_size(model)
     declared: list[tuple[str, str]] = []
     for spec in specs:
@@ -345,6 +395,20 @@ def install(model: nn.Module, specs: list[str], max_tokens: int, max_vectors: in
     _TAPS = taps
     model._interlace_taps = taps
     return taps
+
+
+def every_layer(tree: ModuleTree, which: str) -> list[str]:
+    """Every decoder layer's resid tap (``which="resid"``), or its resid, attention and MLP
+    output taps (``"all"``), by the names of the whole model (other stages' layers included)."""
+    layers = sorted((name for name in tree.modules if tree.is_layer(name)), key=lambda n: int(n.rsplit(".", 1)[1]))
+    specs = [f"{layer}.resid" for layer in layers]
+    if which == "all":
+        local = next((layer for layer in layers if tree.modules[layer] is not None), None)
+        children = [child for child in ("self_attn", "mlp") if local is not None and f"{local}.{child}" in tree.modules]
+        specs += [f"{layer}.{child}.output" for layer in layers for child in children]
+    elif which != "resid":
+        raise ValueError(f"graph_taps {which!r}: a list of taps, 'resid' or 'all'")
+    return specs
 
 
 # As cluster/config.py checks graph_taps: a layer's resid, or a direct child's output.
@@ -387,7 +451,7 @@ def _tapped_class(cls: type, kind: str) -> type:
                                 "returns something else: leave graph_taps out for this model")
             hidden, residual = out
             if _TAPS.wanted():
-                return torch.ops.interlace.tap(hidden, residual, self._interlace_tap)
+                torch.ops.interlace.tap(hidden, residual, self._interlace_tap)
             return hidden, residual
 
         def forward_output(self, *args, **kwargs):
@@ -396,7 +460,7 @@ def _tapped_class(cls: type, kind: str) -> type:
                 raise TypeError(f"a graph tap at an output needs a [tokens, hidden] tensor; {cls.__name__} returns "
                                 "something else: tap another point")
             if _TAPS.wanted():
-                return torch.ops.interlace.tap_output(out, self._interlace_tap)
+                torch.ops.interlace.tap_output(out, self._interlace_tap)
             return out
 
         forward = forward_resid if kind == "resid" else forward_output

@@ -1,0 +1,83 @@
+"""FULL CUDA graphs broken at the taps: decode steps whose programs run between graph segments.
+
+vLLM replays a decode step as one FULL CUDA graph, where no Python runs, and runs other batches as
+piecewise graphs split at attention (and at interlace's tap ops, which engine.py adds to the
+splitting ops: taps.py). A step whose programs run at the taps could run piecewise, but then every
+layer's attention runs outside the graphs as well: on an H200 that cost a 1B-shaped decode step a
+third of its speed. So once vLLM has captured its graphs, interlace captures every FULL batch size
+a second time, the same forward cut only at the taps: vLLM's ``BreakableCUDAGraphCapture`` (which
+vLLM uses to cut graphs at attention when torch.compile is off) ends a graph segment at each tap
+op and records the op's Python as a break. Attention, norms and matmuls stay in the segments,
+compiled as vLLM compiled them.
+
+At replay (:class:`EitherGraph`, in the runner's table of FULL graphs), a step of programs replays
+the segments, and each break hands the tap's tensors (at the addresses captured, in the graph pool)
+to the step's programs and ops, which write into them in place; every other step replays vLLM's
+own FULL graph. The second capture shares vLLM's graph pool (graphs of one process never run at
+once) and costs start-up time: one more capture per FULL size.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger("interlace")
+
+
+def install(taps) -> None:
+    """Capture broken FULL graphs for ``taps`` after vLLM captures its own (this process's V2
+    runner), where the engine splits its compiled model at the taps."""
+    try:
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    except ImportError:  # a vLLM without the V2 GPU runner: programs run piecewise or eager
+        return
+    original = CudaGraphManager.capture
+    if getattr(original, "_interlace", False):
+        return
+
+    @functools.wraps(original)
+    def capture(self, create_forward_fn, *args, **kwargs):
+        original(self, create_forward_fn, *args, **kwargs)
+        if taps.breaks_graphs:
+            _capture_broken(self, create_forward_fn, taps)
+
+    capture._interlace = True
+    CudaGraphManager.capture = capture
+
+
+def _capture_broken(manager, create_forward_fn, taps) -> None:
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.distributed.parallel_state import graph_capture
+    from vllm.model_executor.offloader.base import get_offloader
+
+    descs = manager._capture_descs.get(CUDAGraphMode.FULL, [])
+    with graph_capture(device=manager.device):
+        for desc in descs:
+            forward_fn = create_forward_fn(desc, warmup=False)  # vLLM's capture warmed it up
+            capture = BreakableCUDAGraphCapture(pool=manager.pool)
+            get_offloader().sync_prev_onload()
+            taps.breaking = capture
+            try:
+                with capture:
+                    forward_fn(CUDAGraphMode.NONE)
+                    get_offloader().join_after_forward()
+            finally:
+                taps.breaking = None
+            taps.broken[desc] = capture
+    logger.info("interlace: captured %d FULL CUDA graphs broken at %d taps", len(descs), len(taps.index))
+
+
+class EitherGraph:
+    """One FULL batch size's two graphs: vLLM's whole one, and the one broken at the taps, which
+    replays when the step's programs run at the taps (``switch.pieces``)."""
+
+    def __init__(self, whole, broken, switch):
+        self.whole, self.broken, self.switch = whole, broken, switch
+
+    def replay(self) -> None:
+        (self.broken if self.switch.pieces else self.whole).replay()
+
+    def __getattr__(self, name: str):  # anything else vLLM asks of a CUDAGraph
+        return getattr(self.whole, name)
