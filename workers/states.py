@@ -44,7 +44,9 @@ class InvokeState:
     timeout_s: float  # the trace's time limit for programs (the time left is a slot column)
     max_save_bytes: int
     saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
+    save_steps: dict[str, list[int]] = field(default_factory=dict)  # the step of each of those values
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
+    shared_steps: list[int] = field(default_factory=list)  # the step of each shared contribution
     error: dict | None = None
     tapped: list[dict] | None = None  # ops that run through graph taps (taps.py): they all do; None: hooks
 
@@ -56,6 +58,18 @@ class InvokeState:
         if self.error is None:
             self.error = record
             InvokeState.failures += 1
+
+    def keep_steps_to(self, last: int) -> None:
+        """Drop the values saved and shared after step ``last`` (steps whose tokens vLLM did not
+        return: see Interleaver.finish). Rows in the ledger are cut when taken (slots.last_step)."""
+        for name, steps in list(self.save_steps.items()):
+            kept = [value for value, step in zip(self.saves[name], steps) if step <= last]
+            if kept:
+                self.saves[name], self.save_steps[name] = kept, steps[: len(kept)]
+            else:
+                del self.saves[name], self.save_steps[name]
+        self.shared = [entry for entry, step in zip(self.shared, self.shared_steps) if step <= last]
+        self.shared_steps = self.shared_steps[: len(self.shared)]
 
 
 @dataclass
