@@ -262,7 +262,8 @@ def test_forcing_samples(llama, oracles):
 
 def stops_at_eos_program(oracle, stop: int | None, steer: torch.Tensor):
     """A steered program that saves logits (and its step) at every step and, at step ``stop``,
-    pushes the last layer's residual stream towards EOS, so that greedy decoding ends there."""
+    pushes the last layer's residual stream towards EOS, so that greedy decoding ends there. Run
+    past that step (which no returned token shows) it fails."""
     last = len(oracle.layers) - 1
     eos = oracle.model.config.eos_token_id
     # after the final norm (weight g), g * (w_eos / g) is the EOS row of the unembedding: its logit wins
@@ -276,6 +277,8 @@ def stops_at_eos_program(oracle, stop: int | None, steer: torch.Tensor):
         m.save("logits", m.logits)
         m.save("step", m.step)
         m.share("steps", m.step, merge="append")
+        if stop is not None and m.step > stop:
+            raise RuntimeError(f"the program ran at step {m.step}, past its EOS at step {stop}")
 
     return program
 
@@ -284,7 +287,8 @@ def check_invokes_stop_at_eos(model, oracle, max_tokens: int = 8) -> None:
     """Invokes that stop at EOS (at different steps) and one that runs to max_tokens: each one's
     saved per-step values have exactly one row per returned token, and each logits row's argmax
     is that step's token. Under vLLM's asynchronous scheduling (GPUs) a request that sampled EOS
-    has run one step more; that step is not the user's (workers/interleaver.py, finish)."""
+    has run one step more; that step is not the user's (workers/interleaver.py, finish): what
+    its program saved, shared or raised there is dropped."""
     eos = oracle.model.config.eos_token_id
     steer = torch.randn(oracle.model.config.hidden_size, generator=torch.Generator().manual_seed(5))
     stops = [2, 4, None, 0, 5]

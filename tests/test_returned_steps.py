@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from interlace.workers.scheduler import GANG_KEY, OUTPUT_COUNTS, GangAdmission
+from interlace.workers.slots import SlotTable
 from interlace.workers.states import InvokeState
 
 
@@ -64,3 +65,18 @@ def test_values_and_shares_of_steps_past_the_last_returned_token_are_dropped():
     state.keep_steps_to(3)
     assert state.saves == {"step": [0, 1, 2, 3]} and state.save_steps == {"step": [0, 1, 2, 3]}
     assert [value for _n, _how, value in state.shared] == [0, 1, 2, 3] and state.shared_steps == [0, 1, 2, 3]
+
+
+def test_an_error_met_past_the_last_returned_token_is_dropped_one_met_before_is_kept():
+    slots = SlotTable()
+    states = []
+    for failed_at in (4, 3):
+        slot = slots.add(prompt_len=3, max_save_bytes=1 << 20, timeout_s=1.0, invoke=0, some_steps=False)
+        state = InvokeState("r", slot, "t", 0, 3, None, None, [], None, "dir:/tmp", 1.0, 1 << 20, slots=slots)
+        slots.next_position[slot] = 3 + failed_at  # the step scheduled when the program failed
+        state.fail({"type": "ValueError", "message": f"at step {failed_at}"})
+        slots.next_position[slot] = 3 + 4
+        state.keep_steps_to(3)
+        states.append(state)
+    assert states[0].error is None
+    assert states[1].error == {"type": "ValueError", "message": "at step 3"}

@@ -121,6 +121,7 @@ class Interleaver(ProgramServices):
             sink=payload["sink"],
             timeout_s=payload["timeout_s"],
             max_save_bytes=payload["max_save_bytes"],
+            slots=self.slots,
         )
         self.invokes[req_id] = state
         self._untapped.add(req_id)  # until its ops are known to run in graph taps (runs_on_taps)
@@ -231,11 +232,11 @@ class Interleaver(ProgramServices):
         Under asynchronous scheduling (vLLM's default on GPUs; not on CPUs) the engine plans a
         request's next step before the token of its current one is known, so a request whose
         token k is EOS or a stop token still runs step k (the step fed with that token): its
-        saves, shared values and ``steps`` check would count a step the user never sees (a
-        fifth logits row for four tokens). vLLM drops that step's token; the scheduler
+        saves, shared values, errors and ``steps`` check would count a step the user never sees
+        (a fifth logits row for four tokens). vLLM drops that step's token; the scheduler
         (scheduler.py) tells how many tokens the request returned, and its steps 0 .. returned-1
         are kept: saved rows past them are left out of the report (SaveLedger.take), other
-        values and shared contributions dropped here. Dropping them after the fact, rather than
+        values, shared contributions and an error met past them dropped here. Dropping them after the fact, rather than
         turning asynchronous scheduling off, keeps vLLM's overlap of scheduling and the GPU's
         work for every request, and costs nothing per step. ``returned``: None where vLLM did
         not say (the invoke keeps what it did)."""
