@@ -17,7 +17,7 @@ import torch
 import interlace
 from interlace import ops
 
-ATOL = 1e-2  # vLLM's float32 matmuls run in TF32 on GPUs (see test_interventions)
+ATOL = 1e-2  # GPUs: see test_interventions.ATOL
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TakenSaves
+from interlace.workers.slots import ALL_STEPS
 
 
 def _rows(*values: float) -> torch.Tensor:
@@ -201,3 +202,23 @@ def test_rows_all_on_the_gpu_are_gathered_there_in_invoke_order():
                                      for s in range(3)])
     assert torch.equal(zero["x"], expect(1, 3)) and zero["x"].dtype == torch.bfloat16
     assert torch.equal(first["x"], expect(3, 4)) and torch.equal(second["x"], expect(0, 1))
+
+
+def test_rows_of_steps_past_an_invokes_last_returned_token_are_left_out():
+    """Under asynchronous scheduling (vLLM's default on GPUs) a request that sampled EOS has run
+    one step more; its rows from that step are not reported (Interleaver.finish cuts each owner
+    at its last returned step), and the chunk is still let go of once every owner is taken."""
+    ledger = SaveLedger()
+    owners = np.array([0, 1])
+    ledger.add("t", [("h", _rows(0, 1, 2, 100))], owners=owners, starts=np.array([0, 3]), stops=np.array([3, 4]),
+               steps=np.array([0, 0]))  # the prompts: 3 rows and 1 row
+    for step in range(1, 4):
+        ledger.add("t", [("h", _rows(step * 10, 100 + step))], owners=owners, starts=np.array([0, 1]),
+                   stops=np.array([1, 2]), steps=np.array([step, step]))
+    cut, whole = ledger.take("t", [0, 1], np.array([1, ALL_STEPS])).assemble()
+    assert cut["h"].flatten().tolist() == [0, 1, 2, 10]  # steps 0 and 1
+    assert whole["h"].flatten().tolist() == [100, 101, 102, 103]
+    assert ledger.take("t", [0, 1]).assemble() == [{}, {}]  # nothing left behind
+    ledger.add("t", [("h", _rows(5))], owners=np.array([0]), starts=np.array([0]), stops=np.array([1]),
+               steps=np.array([2]))
+    assert ledger.take("t", [0], np.array([1])).assemble() == [{}]  # every row cut: no name at all

@@ -69,6 +69,7 @@ class Interleaver(ProgramServices):
         self.stages = StageMap(self.tree.local, rank_info["pp_rank"], rank_info["pp_size"], self.tree.embeddings)
         self.tp = TensorParallelLayout(self.tree.modules, rank_info["tp_rank"], rank_info["tp_size"], hidden_size)
         self.invokes: dict[str, InvokeState] = {}
+        self.output_counts: dict[str, int] = {}  # request id -> tokens it returned, once finished (scheduler.py)
         self.step: Step | None = None
         self.carry_in: dict[str, Carried] = {}  # from the previous pipeline stage, this step
         self.hooks = HookSet(self.tree, samples_slot, self._on_point)
@@ -126,6 +127,7 @@ class Interleaver(ProgramServices):
             sink=payload["sink"],
             timeout_s=payload["timeout_s"],
             max_save_bytes=payload["max_save_bytes"],
+            slots=self.slots,
         )
         self.invokes[req_id] = state
         self._untapped.add(req_id)  # until its ops are known to run in graph taps (runs_on_taps)
@@ -230,6 +232,10 @@ class Interleaver(ProgramServices):
             self.hooks.release(owner=state.req_id)
             for op in state.tapped or ():
                 self.taps.let_go(op)
+        if self.output_counts:
+            returned = {req_id: self.output_counts.pop(req_id, None) for req_id in req_ids}
+            for state in finished:
+                self._keep_returned_steps(state, returned[state.req_id])
         if finished and self.op_plans:
             self.op_plans.drop({id(state) for state in finished})
             self._fail_unapplied_ops(finished)
@@ -247,6 +253,27 @@ class Interleaver(ProgramServices):
         if not self.invokes:
             self._programs.clear()
             self._ops.clear()
+
+    def _keep_returned_steps(self, state: InvokeState, returned: int | None) -> None:
+        """Keep only what the invoke's program and ops did at the steps whose tokens vLLM returned.
+
+        Under asynchronous scheduling (vLLM's default on GPUs; not on CPUs) the engine plans a
+        request's next step before the token of its current one is known, so a request whose
+        token k is EOS or a stop token still runs step k (the step fed with that token): its
+        saves, shared values, errors and ``steps`` check would count a step the user never sees
+        (a fifth logits row for four tokens). vLLM drops that step's token; the scheduler
+        (scheduler.py) tells how many tokens the request returned, and its steps 0 .. returned-1
+        are kept: saved rows past them are left out of the report (SaveLedger.take), other
+        values, shared contributions and an error met past them dropped here. Dropping them after the fact, rather than
+        turning asynchronous scheduling off, keeps vLLM's overlap of scheduling and the GPU's
+        work for every request, and costs nothing per step. ``returned``: None where vLLM did
+        not say (the invoke keeps what it did)."""
+        if returned is None:
+            return
+        last = returned - 1
+        if int(self.slots.next_position[state.slot]) - state.prompt_len > last:  # it ran past its last token
+            self.slots.last_step[state.slot] = last
+            state.keep_steps_to(last)
 
     def _fail_unapplied_ops(self, finished: list[InvokeState]) -> None:
         """Fail an invoke one of whose ops (on this stage) selected no row over its whole
@@ -266,7 +293,8 @@ class Interleaver(ProgramServices):
     def _check_steps_ran(self, state: InvokeState) -> None:
         """Fail an invoke whose program was given steps that never ran (generation ended before
         them): its results would silently lack what those steps were to do."""
-        last = int(self.slots.next_position[state.slot]) - state.prompt_len  # the last step run
+        last = min(int(self.slots.next_position[state.slot]) - state.prompt_len,  # the last step run
+                   int(self.slots.last_step[state.slot]))  # and whose token was returned
         missed = sorted(step for step in state.steps if step > last)
         if missed:
             ran = f"steps 0 to {last} ran" if last >= 0 else "no step ran"

@@ -15,7 +15,8 @@ log: not to a notebook, nor to a Ray driver's exception). The refusal is also wr
 ``INTERLACE_LOAD_ERRORS`` names, which the caller (``interlace.cluster.engine``) raises from.
 
 On a CPU it also lets vLLM's engine core process fork its workers (see
-:func:`_fork_workers_from_the_engine_core`).
+:func:`_fork_workers_from_the_engine_core`); on a GPU it keeps a float32 model's attention in
+float32 (:func:`float32_dots_in_float32`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def register() -> None:
 
     @functools.wraps(original)
     def load_model(self, vllm_config, model_config, *args, **kwargs):
+        if model_config is vllm_config.model_config:
+            float32_dots_in_float32(model_config.dtype)
         model = original(self, vllm_config, model_config, *args, **kwargs)
         specs = (getattr(vllm_config, "additional_config", None) or {}).get(TAPS_KEY)
         if specs and model_config is vllm_config.model_config:  # the served model, not a drafter
@@ -72,6 +75,25 @@ def _break_full_graphs(taps, compilation) -> None:
     if splits_at_taps(compilation):
         taps.breaks_graphs = True
         tap_graphs.install(taps)
+
+
+def float32_dots_in_float32(dtype) -> None:
+    """A float32 model computes its attention in float32, not TF32.
+
+    On an NVIDIA GPU vLLM picks its Triton attention backend for float32 (FlashAttention and
+    FlashInfer take half precision only: ``supported_dtypes`` in vllm/v1/attention/backends/
+    flash_attn.py and flashinfer.py), and that kernel's ``tl.dot`` calls name no precision
+    (vllm/v1/attention/ops/triton_unified_attention.py), so Triton runs them in TF32 (10-bit
+    mantissas): residuals and logits about 1.5e-3 off transformers' float32. Triton reads its
+    default from ``TRITON_F32_DEFAULT`` when it compiles a kernel (the variable is part of its
+    cache key); "ieee" makes those dots float32. Set here, in each worker as the model loads
+    (before any kernel compiles), not in the caller's process. A value the user set is kept
+    (``tf32`` for speed). vLLM's own matmuls follow ``VLLM_FLOAT32_MATMUL_PRECISION``, whose
+    default "highest" is float32 already."""
+    import torch
+
+    if dtype == torch.float32:
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
 def _fork_workers_from_the_engine_core() -> None:

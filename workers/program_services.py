@@ -60,8 +60,9 @@ class ProgramServices:
         if isinstance(value, torch.Tensor):  # a scalar: kept whole (a batched call needs rows)
             _split_rows(ctx, value, "save")
             value = value.detach().to("cpu", copy=True)
-        for inv in ctx.invokes:
+        for inv, step in zip(ctx.invokes, ctx.steps):
             inv.saves.setdefault(name, []).append(value)
+            inv.save_steps.setdefault(name, []).append(step)
 
     def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, named: list[tuple[str, torch.Tensor]],
                    starts: np.ndarray, stops: np.ndarray, fresh: bool = False) -> None:
@@ -85,7 +86,10 @@ class ProgramServices:
             )
         self.slots.save_used[slots] = used
         if self.rank["tp_rank"] == 0:
-            self.ledger.add(invokes[0].trace, named, slots, starts, stops, fresh)
+            # each owner's generation step (step 0: the prompt, chunks of it included), so that rows
+            # of steps whose tokens vLLM did not return can be left out (Interleaver.finish)
+            steps = np.maximum(self.slots.next_position[slots] - self.slots.prompt_len[slots], 0)
+            self.ledger.add(invokes[0].trace, named, slots, starts, stops, fresh, steps=steps)
             self.reports.reserve_ahead(invokes[0], len(named[0][1]) * row_bytes)
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
@@ -99,8 +103,9 @@ class ProgramServices:
             parts = [value]
         else:
             raise ValueError(f"share() in a batched call over {len(ctx.invokes)} invokes needs a tensor to split per invoke")
-        for inv, part in zip(ctx.invokes, parts):
+        for inv, part, step in zip(ctx.invokes, parts, ctx.steps):
             inv.shared.append((name, merge, part))
+            inv.shared_steps.append(step)
 
     def send(self, ctx: CallContext, name: str, value: Any) -> None:
         trace = ctx.invokes[0].trace

@@ -68,9 +68,10 @@ class ReportBatcher:
 
     def submit(self, key: tuple[str, str], last: bool) -> None:
         states = self.held.pop(key).states
-        taken = self.ledger.take(key[1], [state.slot for state in states])
-        for state in states:  # the ledger has let go of their rows: the numbers may go to new invokes
-            self.slots.remove(state.slot)
+        slots = [state.slot for state in states]
+        taken = self.ledger.take(key[1], slots, self.slots.last_step[slots])
+        for slot in slots:  # the ledger has let go of their rows: the numbers may go to new invokes
+            self.slots.remove(slot)
         stage = self.stage
         reports = [_report_of(state, stage) for state in states]
         self.reporter.submit(functools.partial(_write_reports, *key, stage, reports, taken,

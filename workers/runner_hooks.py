@@ -3,8 +3,10 @@
 This is the only file that knows runner internals, and it stays thin: it wraps three runner entry
 points and builds a :class:`BatchLayout` per step.
 
-    execute_model(scheduler_output)  finish requests vLLM has dropped (clearing the KV-cache blocks of
-                                     those that may have written: kv_blocks.py), admit new ones; on a
+    execute_model(scheduler_output)  finish requests vLLM has dropped, keeping only the steps whose
+                                     tokens they returned (scheduler.py counts them), clearing the
+                                     KV-cache blocks of those that may have written (kv_blocks.py);
+                                     admit new ones; on a
                                      compiled engine, run the step eager iff it intervenes (graphs.py)
       model forward pre-hook         begin_step(layout): rows are final once the forward starts
       ... module hooks ...
@@ -26,6 +28,7 @@ from interlace.workers.interleaver import PAYLOAD_KEY, Interleaver
 from interlace.workers.kv_blocks import KVBlocks
 from interlace.workers.layout import layout_from_v1_runner, layout_from_v2_input_batch
 from interlace.workers.pipeline import pack, take_carry, unpack
+from interlace.workers.scheduler import OUTPUT_COUNTS
 
 logger = logging.getLogger("interlace")
 
@@ -104,6 +107,9 @@ def install(runner, all_modules: list[str]) -> Interleaver:
 
     @functools.wraps(original_execute)
     def execute_model(scheduler_output, intermediate_tensors=None, *args, **kwargs):
+        counts = getattr(scheduler_output, OUTPUT_COUNTS, None)  # tokens each finished invoke returned
+        if counts:
+            inter.output_counts.update(counts)
         _guard(inter, inter.finish, scheduler_output.finished_req_ids)
         if kv_blocks.held or kv_blocks.marked:  # before this step's forward, which may reuse their blocks
             _guard(inter, kv_blocks.release, scheduler_output.finished_req_ids)

@@ -37,6 +37,7 @@ import torch
 from interlace.core import settings
 from interlace.workers.pinned import PinnedSlabs, Slab
 from interlace.workers.points import device_index
+from interlace.workers.slots import ALL_STEPS
 from interlace.workers.report_file import copy_to_host
 
 
@@ -54,6 +55,7 @@ class SaveChunk:
     slab: Slab | None = None  # where ``rows`` live (pinned slabs): released when no report needs them
     taken: np.ndarray | None = None  # which owners' rows were handed out (their slot may be reused)
     device_holds: int = 0  # holders of rows kept on the device (the ledger, reports): room given back at 0
+    steps: np.ndarray | None = None  # each owner's generation step when saved (None: kept whatever the cut)
 
 
 def host_copy(value: torch.Tensor, pinned: PinnedSlabs | None = None
@@ -137,10 +139,11 @@ class SaveLedger:
         self._device_streams: dict[int, torch.cuda.Stream] = {}
 
     def add(self, trace: str, named: list[tuple[str, torch.Tensor]], owners: np.ndarray, starts: np.ndarray,
-            stops: np.ndarray, fresh: bool = False) -> None:
+            stops: np.ndarray, fresh: bool = False, steps: np.ndarray | None = None) -> None:
         """Rows of each ``(name, value)`` for a group: owner ``owners[i]`` (a slot) has rows
-        ``starts[i]:stops[i]`` of every value. ``fresh``: the values were made for this save and
-        nothing else refers to them (no copy needed)."""
+        ``starts[i]:stops[i]`` of every value, saved at its generation step ``steps[i]``.
+        ``fresh``: the values were made for this save and nothing else refers to them (no copy
+        needed)."""
         chunks = self._chunks[trace]
         first = named[0][1]
         if first.is_cuda and self._room.take(sum(value.nbytes for _name, value in named), first.device):
@@ -148,14 +151,15 @@ class SaveLedger:
             self._device_streams.setdefault(stream.cuda_stream, stream)
             for name, value in named:  # a snapshot unless fresh: later in-place kernels cannot change it
                 rows = value.detach() if fresh else value.detach().clone()
-                chunks.append(SaveChunk(name, rows, None, owners, starts, stops, len(owners), device_holds=1))
+                chunks.append(SaveChunk(name, rows, None, owners, starts, stops, len(owners), device_holds=1,
+                                        steps=steps))
             return
         for name, value in named:
             if fresh and not value.is_cuda:  # a CPU copy made for this save: nothing to copy again
-                chunks.append(SaveChunk(name, value.detach(), None, owners, starts, stops, len(owners)))
+                chunks.append(SaveChunk(name, value.detach(), None, owners, starts, stops, len(owners), steps=steps))
                 continue
             rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
-            chunks.append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab))
+            chunks.append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab, steps=steps))
 
     def retain(self, chunks: list[SaveChunk]) -> None:
         """One more holder of each chunk's memory (a report that will read it). A list at a
@@ -184,9 +188,11 @@ class SaveLedger:
         for chunk in on_host:
             self._pinned.release(chunk.slab)
 
-    def take(self, trace: str, owners: list[int]) -> "TakenSaves":
+    def take(self, trace: str, owners: list[int], last_steps: np.ndarray | None = None) -> "TakenSaves":
         """The owners' saves, to assemble later (on any thread). Chunks every owner of which has
-        now been taken are dropped from the ledger."""
+        now been taken are dropped from the ledger. ``last_steps``: each owner's last step to
+        keep (rows saved at later steps are let go of, not reported: steps whose tokens vLLM did
+        not return, see Interleaver.finish); None or ``slots.ALL_STEPS``: all of them."""
         wanted = np.array(owners, dtype=np.int64)
         chunks = self._chunks.pop(trace, [])
         # A lookup table by slot rather than np.isin per chunk (a tenth of the time): a sweep's
@@ -195,26 +201,34 @@ class SaveLedger:
         is_wanted = np.zeros(int(wanted.max(initial=-1)) + 2, dtype=bool)
         is_wanted[wanted] = True
         past = len(is_wanted) - 1
+        keep_to = None  # slot -> its last step kept, where some owner's saves are cut
+        if last_steps is not None and (np.asarray(last_steps) < ALL_STEPS).any():
+            keep_to = np.full(len(is_wanted), ALL_STEPS, dtype=np.int64)
+            keep_to[wanted] = last_steps
         by_name: dict[str, list[tuple[SaveChunk, np.ndarray]]] = defaultdict(list)
         kept, retained, released = [], [], []
         # Chunks saved together share their owners array, and after a take their taken mask: the
         # arrays are worked out once per (owners, taken) pair, not per chunk.
         # (The entries hold the keys' arrays, so no id is reused while the loop runs.)
-        selections: dict[tuple[int, int], tuple] = {}
+        selections: dict[tuple[int, int, int], tuple] = {}
         for chunk in chunks:
-            key = (id(chunk.owners), id(chunk.taken))
+            key = (id(chunk.owners), id(chunk.taken), id(chunk.steps))
             selection = selections.get(key)
             if selection is None:
                 mine = is_wanted[np.minimum(chunk.owners, past)]
                 if chunk.taken is not None:
                     mine &= ~chunk.taken
+                reported = mine  # of those, the rows reported: not those of steps past their owner's cut
+                if keep_to is not None and chunk.steps is not None:
+                    reported = mine & (chunk.steps <= keep_to[np.minimum(chunk.owners, past)])
                 selection = selections[key] = (mine, np.count_nonzero(mine),
                                                mine if chunk.taken is None else chunk.taken | mine,
-                                               chunk.owners, chunk.taken)
-            mine, count, taken, _owners, _taken = selection
+                                               reported, bool(reported.any()), chunk.owners, chunk.taken, chunk.steps)
+            mine, count, taken, reported, any_reported = selection[:5]
             if count:
-                by_name[chunk.name].append((chunk, mine))
-                retained.append(chunk)  # the report's hold, released once it is written
+                if any_reported:
+                    by_name[chunk.name].append((chunk, reported))
+                    retained.append(chunk)  # the report's hold, released once it is written
                 chunk.pending -= count
                 chunk.taken = taken
             if chunk.pending > 0:

@@ -21,6 +21,15 @@ exactly (ops are replayed on the recomputed rows); a program's cannot, so its in
 running queue: vLLM preempts them only when no other running request is left to preempt. (Under
 vLLM's ``priority`` policy the user's priorities decide, as they would without interlace.)
 
+It also tells the workers how many tokens each finished intervened request returned
+(``SchedulerOutput.interlace_output_counts``, next to vLLM's ``finished_req_ids``). Under
+asynchronous scheduling (vLLM's default on GPUs) the scheduler plans step k+1 before step k's
+token is known, so a request whose step k sampled EOS (or a stop token) has already been
+scheduled, and run by the workers, for one step more (``AsyncScheduler`` skips that extra step
+only for ``max_tokens``: vllm/v1/core/sched/scheduler.py, the ``num_output_placeholders`` check in
+``schedule``). That step's token is dropped; the workers drop what programs did in it
+(interleaver.py, ``Interleaver.finish``).
+
 Selected with ``scheduler_cls="interlace.workers.scheduler.make_scheduler"``; it subclasses
 whichever scheduler vLLM would have used (async scheduling keeps working).
 """
@@ -30,6 +39,9 @@ from __future__ import annotations
 GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, intervened invokes]
 WHOLE_PROMPT_KEY = "interlace_whole_prompt"  # extra_args[WHOLE_PROMPT_KEY] = True: do not split
 PROGRAM_KEY = "interlace_program"  # extra_args[PROGRAM_KEY] = True: a program runs (preempt it last)
+# SchedulerOutput attribute: {request id: output tokens} of intervened requests finished since the
+# last step (pickled with the output to every rank; read by workers/runner_hooks.py)
+OUTPUT_COUNTS = "interlace_output_counts"
 
 
 class GangAdmission:
@@ -45,12 +57,21 @@ class GangAdmission:
             self.running.sort(key=lambda request: request.request_id not in programs)
         config = self.scheduler_config
         if not config.enable_chunked_prefill or not self._interlace_keep_whole():
-            return super().schedule(*args, **kwargs)
+            return self._interlace_with_counts(super().schedule(*args, **kwargs))
         config.enable_chunked_prefill = False  # read by vLLM only while admitting waiting requests
         try:
-            return super().schedule(*args, **kwargs)
+            return self._interlace_with_counts(super().schedule(*args, **kwargs))
         finally:
             config.enable_chunked_prefill = True
+
+    def _interlace_with_counts(self, output):
+        """``output`` carrying the output token counts of the intervened requests freed since
+        the last step (their ids are in its ``finished_req_ids``, or, freed during this very
+        pass, in the next one's: the workers keep counts until the id finishes)."""
+        if self._interlace_counts:
+            setattr(output, OUTPUT_COUNTS, self._interlace_counts)
+            self._interlace_counts = {}
+        return output
 
     def _interlace_keep_whole(self) -> bool:
         if not self._interlace_whole_waiting:  # plain traffic never pays for the scan below
@@ -99,6 +120,8 @@ class GangAdmission:
 
     def _free_request(self, request, *args, **kwargs):
         self._interlace_programs.discard(request.request_id)  # finished or aborted
+        if _gang(request) is not None:  # intervened: its workers learn how many tokens it returned
+            self._interlace_counts[request.request_id] = request.num_output_tokens
         return super()._free_request(request, *args, **kwargs)
 
 
@@ -125,4 +148,5 @@ def make_scheduler(*args, vllm_config, **kwargs):
     scheduler._interlace_held = {}
     scheduler._interlace_whole_waiting = False  # a request that needs its prompt whole may wait
     scheduler._interlace_programs = set()  # live requests with a program, by id: preempted last
+    scheduler._interlace_counts = {}  # finished intervened requests' output tokens, for the next step
     return scheduler

@@ -17,7 +17,9 @@ import numpy as np
 
 _COLUMNS = {"prompt_len": np.int64, "next_position": np.int64, "replay_until": np.int64,
             "save_used": np.int64, "save_limit": np.int64, "time_left": np.float64, "invoke": np.int64,
-            "group": np.int64, "some_steps": np.bool_, "ops_expected": np.int64, "ops_applied": np.int64}
+            "group": np.int64, "some_steps": np.bool_, "ops_expected": np.int64, "ops_applied": np.int64,
+            "last_step": np.int64}
+ALL_STEPS = np.iinfo(np.int64).max  # last_step of an invoke whose saves are all kept
 
 
 class SlotTable:
@@ -48,6 +50,7 @@ class SlotTable:
         self.some_steps[slot] = some_steps  # its program runs at some steps only
         self.ops_expected[slot] = 0  # a bit per op it carries on this rank (see ops.applied_bit)
         self.ops_applied[slot] = 0  # the bits of those ops that have selected some row
+        self.last_step[slot] = ALL_STEPS  # once it finished: the last step whose token it returned
         return slot
 
     def remove(self, slot: int) -> None:

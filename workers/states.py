@@ -22,6 +22,7 @@ from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import StepOp
 from interlace.workers.pipeline import Carried
 from interlace.workers.points import ModuleTree, Point, Rows, device_index
+from interlace.workers.slots import SlotTable
 
 if TYPE_CHECKING:
     from interlace.workers.interleaver import Interleaver
@@ -44,11 +45,15 @@ class InvokeState:
     timeout_s: float  # the trace's time limit for programs (the time left is a slot column)
     max_save_bytes: int
     saves: dict[str, list] = field(default_factory=dict)  # values that are not rows (tensors go to the ledger)
+    save_steps: dict[str, list[int]] = field(default_factory=dict)  # the step of each of those values
     shared: list[tuple[str, str, Any]] = field(default_factory=list)
+    shared_steps: list[int] = field(default_factory=list)  # the step of each shared contribution
     error: dict | None = None
     tapped: list[dict] | None = None  # ops that run through graph taps (taps.py): they all do; None: hooks
     ops_at_taps: bool = False  # every op's point is served between graph pieces (Interleaver.at_taps)
     off_taps: bool = False  # its program waited at a point not served there: its steps run eager
+    slots: SlotTable | None = None  # the rank's slot table (where its step is), if it has one
+    error_step: int = 0  # the generation step it failed at (see keep_steps_to)
 
     # Invokes failed so far, in this process: a step tells whether any failed since the last one
     # by comparing one number, not by looking at every invoke of the batch.
@@ -58,6 +63,23 @@ class InvokeState:
         if self.error is None:
             self.error = record
             InvokeState.failures += 1
+            if self.slots is not None:  # the step scheduled last (its program's, while one runs)
+                self.error_step = max(0, int(self.slots.next_position[self.slot]) - self.prompt_len)
+
+    def keep_steps_to(self, last: int) -> None:
+        """Drop the values saved and shared after step ``last``, and an error met there (steps
+        whose tokens vLLM did not return: see Interleaver.finish). Rows in the ledger are cut
+        when taken (slots.last_step)."""
+        if self.error is not None and self.error_step > last:
+            self.error = None
+        for name, steps in list(self.save_steps.items()):
+            kept = [value for value, step in zip(self.saves[name], steps) if step <= last]
+            if kept:
+                self.saves[name], self.save_steps[name] = kept, steps[: len(kept)]
+            else:
+                del self.saves[name], self.save_steps[name]
+        self.shared = [entry for entry, step in zip(self.shared, self.shared_steps) if step <= last]
+        self.shared_steps = self.shared_steps[: len(self.shared)]
 
 
 @dataclass
