@@ -39,8 +39,14 @@ def install(taps) -> None:
     @functools.wraps(original)
     def capture(self, create_forward_fn, *args, **kwargs):
         original(self, create_forward_fn, *args, **kwargs)
-        if taps.breaks_graphs:
+        if not taps.breaks_graphs:
+            return
+        try:
             _capture_broken(self, create_forward_fn, taps)
+        except Exception:  # noqa: BLE001 - the engine still serves: programs' decode steps run piecewise
+            logger.exception("interlace: capturing FULL graphs cut at the taps failed; steps whose programs run "
+                             "at the taps use vLLM's piecewise graphs instead")
+            taps.broken.clear()
 
     capture._interlace = True
     CudaGraphManager.capture = capture
