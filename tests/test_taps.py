@@ -163,7 +163,8 @@ def test_programs_run_at_the_taps_after_their_first_step_and_equal_the_hook_path
             tr.invoke("One two three", program=program)
             tr.invoke("A sender", program=sender)
             tr.invoke("A receiver", program=receiver)
-            tr.invoke("Ops beside", ops=[ops.add("layers.2.resid", vector(22)), ops.save("layers.1.mlp.output")])
+            tr.invoke("Ops beside", ops=[ops.save("layers.1.mlp.output"), ops.save("layers.2.resid", name="before"),
+                                         ops.add("layers.2.resid", vector(22)), ops.save("layers.2.resid", name="after")])
         return tr.result
 
     before = program_steps(tapped)

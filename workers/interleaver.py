@@ -411,7 +411,8 @@ class Interleaver(ProgramServices):
 
     def _on_tap(self, module: str, value: Any) -> None:
         """At a tap, in a step between graph pieces: ``value`` lives in CUDA-graph memory that the
-        next replay overwrites, so programs get copies, and writes go back into it in place."""
+        next replay overwrites, so programs get copies, and writes go back into it in place
+        (points.TapAccess)."""
         if (module, "output") in self.hooks.wanted:
             self._dispatch(module, "output", value, copies=True)
 

@@ -265,31 +265,89 @@ class PointAccess:
         them in place (inference tensors have none); an edited copy is written back."""
         return point.kind == "resid" or not isinstance(rows.index, slice)
 
+    def is_fresh(self, point: Point, rows: Rows) -> bool:
+        """Whether reads are new tensors that no later write here touches (an op's save keeps
+        them as they are, without another copy)."""
+        return self.is_copy(point, rows)
+
     def result(self) -> Any:
         return self.hooked
 
 
-class CopyingAccess(PointAccess):
-    """Reads that are always copies, for a value in memory that the next CUDA-graph replay
-    overwrites (a tap's, between graph pieces): a program may keep what it read past the step.
-    Writes still go into the value in place, where the next piece reads them."""
+class TapAccess(PointAccess):
+    """Reads and writes of a tap's value between CUDA-graph pieces, where the next replay
+    overwrites the value's memory (a program may keep what it read past the step) and where every
+    kernel launched per program shows at a program per invoke.
+
+    A layer's residual stream (``hidden + residual``) or a block's output is copied once per tap;
+    every program's read is a view of its rows of that copy (a copy for rows that are not one run),
+    its in-place edits land there, and the copy goes back into the value once, when the tap
+    returns (``result``): the stream into ``hidden`` and zeros into ``residual`` for all of the
+    step's rows. The next layer adds the two, so untouched rows come out bit for bit as they went
+    in. A layer's ``(hidden, residual)`` pair (its ``output``) is read as copies and written
+    directly, after the shared copy is written back."""
+
+    def __init__(self, hooked: Any, layout: BatchLayout):
+        super().__init__(hooked, layout)
+        self._copy: torch.Tensor | None = None
+        self._written = 0  # the copy's version when it was last written back
+
+    def _shared(self, point: Point) -> bool:
+        return point.kind == "resid" or (point.kind == "output" and isinstance(self.hooked, torch.Tensor))
+
+    def _own(self, point: Point) -> torch.Tensor:
+        if self._copy is None:
+            n = self.layout.num_tokens
+            with torch.inference_mode(False):  # a normal tensor: its version counter shows edits
+                if point.kind == "resid":
+                    hidden, residual = self._base("resid")
+                    self._copy = hidden[:n] + residual[:n]
+                else:
+                    self._copy = self.hooked[:n].clone()
+            self._written = self._copy._version
+        return self._copy
 
     def read(self, point: Point, rows: Rows) -> Any:
-        value = super().read(point, rows)
-        if point.kind == "resid":  # a sum: a copy already
-            return value
-        with torch.inference_mode(False):  # a normal tensor: its version counter shows edits
-            return _map(value, lambda t, _d: t.clone(), self.layout.num_tokens, point.kind)
-
-    def read_tensor(self, point: Point, rows: Rows) -> torch.Tensor:
-        value = super().read_tensor(point, rows)
-        if point.kind == "resid":
-            return value
+        if not self._shared(point):
+            self._give_back()
+            with torch.inference_mode(False):
+                return _map(super().read(point, rows), lambda t, _d: t.clone(), self.layout.num_tokens, point.kind)
+        copy = self._own(point)
         with torch.inference_mode(False):
-            return _map(value, lambda t, _d: t.clone(), self.layout.num_tokens, point.kind)
+            return rows.take(copy, 0)
+
+    def write(self, point: Point, rows: Rows, value: Any) -> None:
+        if not self._shared(point):
+            self._give_back()
+            self._copy = None  # later reads copy the value as written
+            return super().write(point, rows, value)
+        copy = self._own(point)
+        if isinstance(value, torch.Tensor) and value._base is copy:
+            return  # a view of the copy, edited in place: there already
+        rows.put(copy, 0, value)
 
     def is_copy(self, point: Point, rows: Rows) -> bool:
         return True
+
+    def is_fresh(self, point: Point, rows: Rows) -> bool:
+        return not self._shared(point) or not isinstance(rows.index, slice)  # a view of the shared copy is not
+
+    def result(self) -> Any:
+        self._give_back()
+        return self.hooked
+
+    def _give_back(self) -> None:
+        copy = self._copy
+        if copy is None or copy._version == self._written:
+            return
+        n = self.layout.num_tokens
+        if isinstance(self.hooked, tuple):
+            hidden, residual = self.hooked
+            hidden[:n].copy_(copy)
+            residual[:n].zero_()
+        else:
+            self.hooked[:n].copy_(copy)
+        self._written = copy._version
 
 
 def _dim(t: Any, num_tokens: int, kind: str) -> int | None:

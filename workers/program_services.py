@@ -110,6 +110,7 @@ class ProgramServices:
     def send(self, ctx: CallContext, name: str, value: Any) -> None:
         trace = ctx.invokes[0].trace
         self.step.mailbox[(trace, name)] = value
+        self.step.sent += 1
 
     def recv(self, ctx: CallContext, name: str, call: ProgramCall) -> Any:
         """The value sent as ``name`` in this step (the view makes this one access of the call)."""

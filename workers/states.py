@@ -172,6 +172,10 @@ class Step:
     calls: list[tuple[ProgramCall, CallContext]]
     ops: dict[tuple[str, str], list[tuple[Point, StepOp]]]  # by hook (see hooks.hook_of): ops to apply there, in order
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # Values sent so far in the step, and as many as the last pump saw: a receiver waits only for a
+    # value not yet sent (recv returns one already there), so only a send gives a pump work.
+    sent: int = 0
+    pumped: int = -1
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
     tapped: list[tuple[Point, StepOp]] = field(default_factory=list)  # saves that ran in graph taps
     memo: dict = field(default_factory=dict)  # work shared by the steps of an epoch (StepScheduler.memo)
