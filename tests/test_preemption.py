@@ -43,9 +43,12 @@ def small_cache():
     model.close()
 
 
-def replays(model) -> int:
-    """Chunks recomputed after a preemption and replayed, over the engine's ranks."""
-    return sum(model.engine.collective_rpc("interlace_replays"))
+def replays(target) -> int:
+    """Chunks recomputed after a preemption and replayed, over the ranks of a Model's engine or of
+    every replica of a Cluster."""
+    counts = target.step_counts()
+    ranks = [rank for replica in counts for rank in replica] if isinstance(counts[0], list) else counts
+    return sum(rank["replays"] for rank in ranks)
 
 
 def _ids(oracles) -> list[int]:
@@ -65,30 +68,29 @@ def steering(seed: int):
     return program
 
 
-def test_preempted_programs_replay_their_writes_and_match_an_ample_cache(small_cache, llama, oracles):
-    """32 program invokes steering and saving at every step, 64 tokens each, in a KV cache of 5
-    blocks: preempted over and over, each completes with the tokens and saves of the same trace
-    on an engine with room for all."""
-    ids = _ids(oracles)
+def check_steering(small, ample, ids: list[int]) -> None:
+    """32 program invokes steering and saving at every step, 64 tokens each, on ``small`` (a KV
+    cache that makes vLLM preempt them) and on ``ample`` (room for all): the same tokens and
+    saves, every step saved once."""
     runs = {}
-    for name, model in (("small", small_cache), ("ample", llama)):
+    for name, model in (("small", small), ("ample", ample)):
         before = replays(model)
         with model.trace(max_tokens=64, ignore_eos=True) as tr:
             for i in range(32):
                 tr.invoke(ids, program=steering(i))
         runs[name] = (tr.result, replays(model) - before)
     assert runs["small"][1] > 0 and runs["ample"][1] == 0  # preempted under pressure only
-    for small, ample in zip(runs["small"][0], runs["ample"][0]):
-        assert small.token_ids == ample.token_ids
-        assert small.saves["h"].shape == (len(ids) + 63, 128)  # every step saved once
-        torch.testing.assert_close(small.saves["h"], ample.saves["h"], atol=ATOL, rtol=ATOL)
+    for got, want in zip(runs["small"][0], runs["ample"][0]):
+        assert got.token_ids == want.token_ids
+        assert got.saves["h"].shape == (len(ids) + 63, 128)  # every step saved once
+        torch.testing.assert_close(got.saves["h"], want.saves["h"], atol=ATOL, rtol=ATOL)
 
 
-def test_messages_and_shared_values_are_delivered_once_across_preemptions(small_cache, llama, oracles):
+def check_messages(small, ample, ids: list[int]) -> None:
     """A sender patches its prompt into three receivers at step 0 (send/recv), and every invoke
-    shares a count at every step (merge sum); preempted after step 0, none of it happens twice:
-    the recomputed step 0 replays the receivers' writes, not their programs."""
-    ids = _ids(oracles)
+    shares a count at every step (merge sum), on ``small`` (preempted after step 0) and on
+    ``ample``: none of it happens twice (the recomputed step 0 replays the receivers' writes, not
+    their programs), and tokens and saves are the same."""
     others = [ids[:50] + ids[60:110], ids[:40] + ids[55:115], ids[5:105]]
 
     def send(m):
@@ -106,7 +108,7 @@ def test_messages_and_shared_values_are_delivered_once_across_preemptions(small_
         m.save("h", m.layers[2].resid)
 
     runs = {}
-    for name, model in (("small", small_cache), ("ample", llama)):
+    for name, model in (("small", small), ("ample", ample)):
         before = replays(model)
         with model.trace(max_tokens=64, ignore_eos=True) as tr:
             tr.invoke(ids, program=send)
@@ -114,13 +116,21 @@ def test_messages_and_shared_values_are_delivered_once_across_preemptions(small_
                 tr.invoke(prompt, program=patch)
         runs[name] = (tr.result, replays(model) - before)
     assert runs["small"][1] > 0 and runs["ample"][1] == 0
-    small, ample = runs["small"][0], runs["ample"][0]
-    assert small.shared["steps"] == 4 * 64 and small.shared["received"] == 3
-    for a, b in zip(small, ample):
+    got, want = runs["small"][0], runs["ample"][0]
+    assert got.shared["steps"] == 4 * 64 and got.shared["received"] == 3
+    for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(a.saves["h"], b.saves["h"], atol=ATOL, rtol=ATOL)
-    unpatched = llama.generate(others[0], program=lambda m: None, max_tokens=64, ignore_eos=True)
-    assert unpatched.token_ids != small[1].token_ids  # the patch changed what it generated
+    unpatched = ample.generate(others[0], program=lambda m: None, max_tokens=64, ignore_eos=True)
+    assert unpatched.token_ids != got[1].token_ids  # the patch changed what it generated
+
+
+def test_preempted_programs_replay_their_writes_and_match_an_ample_cache(small_cache, llama, oracles):
+    check_steering(small_cache, llama, _ids(oracles))
+
+
+def test_messages_and_shared_values_are_delivered_once_across_preemptions(small_cache, llama, oracles):
+    check_messages(small_cache, llama, _ids(oracles))
 
 
 def test_a_preempted_program_past_its_write_log_fails_clearly_and_the_engine_serves_on(small_cache, oracles):

@@ -40,13 +40,13 @@ class InterlaceWorkerExtension:
         vLLM's graphs, ran ops in graph taps, or ran eager (those that intervened otherwise; None
         on an eager engine); and ``taps``: on an engine with graph taps, the steps whose ops ran
         through them and the forwards that ran each tap's ops (by module name; every graph replay
-        does; None without taps)."""
+        does; None without taps); ``replays``: as :meth:`interlace_replays`."""
         inter = self.model_runner._interlace
         taps = None
         if inter.taps is not None:
             ran = inter.taps.ran.tolist()
             taps = {"steps": inter.tap_steps, "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
-        return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps}
+        return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps, "replays": inter.scheduler.replays}
 
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,
