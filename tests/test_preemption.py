@@ -68,16 +68,32 @@ def steering(seed: int):
     return program
 
 
-def check_steering(small, ample, ids: list[int]) -> None:
+def batched_steering():
+    """The same as one batched program: each invoke's own vector, a call over every invoke of the
+    trace vLLM scheduled (some recomputing rows, at different steps)."""
+    vectors = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+
+    @interlace.batched
+    def program(m):
+        h = m.layers[1].resid
+        for j, rows in enumerate(m.rows):
+            h[rows] += vectors[m.invokes[j]]
+        m.layers[2].mlp.output.mul_(1.02)
+        m.save("h", m.layers[3].resid)
+    return program
+
+
+def check_steering(small, ample, ids: list[int], batched: bool = False) -> None:
     """32 program invokes steering and saving at every step, 64 tokens each, on ``small`` (a KV
     cache that makes vLLM preempt them) and on ``ample`` (room for all): the same tokens and
     saves, every step saved once."""
     runs = {}
+    together = batched_steering() if batched else None  # one program object: one call per step for all
     for name, model in (("small", small), ("ample", ample)):
         before = replays(model)
         with model.trace(max_tokens=64, ignore_eos=True) as tr:
             for i in range(32):
-                tr.invoke(ids, program=steering(i))
+                tr.invoke(ids, program=together or steering(i))
         runs[name] = (tr.result, replays(model) - before)
     assert runs["small"][1] > 0 and runs["ample"][1] == 0  # preempted under pressure only
     for got, want in zip(runs["small"][0], runs["ample"][0]):
@@ -127,6 +143,10 @@ def check_messages(small, ample, ids: list[int]) -> None:
 
 def test_preempted_programs_replay_their_writes_and_match_an_ample_cache(small_cache, llama, oracles):
     check_steering(small_cache, llama, _ids(oracles))
+
+
+def test_a_preempted_batched_program_replays_each_invokes_writes(small_cache, llama, oracles):
+    check_steering(small_cache, llama, _ids(oracles), batched=True)
 
 
 def test_messages_and_shared_values_are_delivered_once_across_preemptions(small_cache, llama, oracles):

@@ -28,7 +28,7 @@ from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.tp_agreement import agree_on_paths
-from interlace.workers.write_log import row_bytes, token_rows
+from interlace.workers.write_log import Written, row_bytes
 
 
 class PointDispatcher:
@@ -113,13 +113,13 @@ class PointDispatcher:
                     continue
                 held.written = False
                 value, ready = _to_host(held.access.read(held.point, held.rows))
+                written = Written(value, ctx.num_rows, ready)
                 per_row = row_bytes(held.value, ctx.num_rows)  # whole values: every TP rank counts alike
-                for j, state in enumerate(ctx.invokes):
-                    a, b = int(ctx.local_starts[j]), int(ctx.local_stops[j])
-                    if state.writes is not None and b > a:
-                        state.writes.record(held.point, ctx.positions[j].start, b - a,
-                                            token_rows(value, ctx.num_rows, a, b), ready, per_row * (b - a),
-                                            where=f"{held.point}, step {ctx.steps[j]}")
+                point, steps = held.point, ctx.steps
+                for j, (state, first, a, b) in enumerate(zip(ctx.invokes, ctx.members.firsts.tolist(),
+                                                             ctx.local_starts.tolist(), ctx.local_stops.tolist())):
+                    if state.writes is not None:
+                        state.writes.record(point, first, written, a, b, per_row * (b - a), steps[j])
         except Exception as exc:  # noqa: BLE001
             call.error = call.error or error_record(exc, where=f"logging the program's writes at {call.view.where()}")
 

@@ -25,8 +25,8 @@ the whole (unsplit) values the program wrote, so every TP rank decides alike. Pa
 dropped; the invoke goes on, and fails with a message naming the limit only if it is preempted.
 
     log = WriteLog(limit_bytes=64 << 20)
-    log.record(point, first_position, host_value, full_bytes)    # after a hook, per invoke
-    replay_writes(log, first, stop, start_row)                    # -> [(point, rows, value)]
+    log.record(point, first, Written(value, num_rows, ready), start, stop, full_bytes, step)  # per invoke
+    replay_writes(log, first, stop, start_row)          # -> [(point, batch row, rows, value)]
 """
 
 from __future__ import annotations
@@ -38,36 +38,52 @@ import torch
 from interlace.workers.points import Point
 
 
+class Written:
+    """The rows of one point a call wrote in one step, on the host, for all its invokes (each
+    invoke's log refers to its own rows of it: a batched call copies once)."""
+
+    __slots__ = ("value", "num_rows", "ready")
+
+    def __init__(self, value: Any, num_rows: int, ready: Any):
+        self.value = value  # a tensor, or a module's tuple output (None for what is not per token)
+        self.num_rows = num_rows  # the call's token rows
+        self.ready = ready  # the CUDA event its copy from the GPU waits on (None on a CPU)
+
+
 class WriteLog:
-    """One invoke's writes to token points, by point, each as (first position, host rows)."""
+    """One invoke's writes to token points, by point, each as (first position, rows start:stop
+    of a :class:`Written`)."""
 
     __slots__ = ("limit", "bytes", "entries", "overflow")
 
     def __init__(self, limit_bytes: int):
         self.limit = limit_bytes
         self.bytes = 0
-        self.entries: dict[Point, list[tuple[int, int, Any, Any]]] = {}  # point -> [(first, rows, value, ready)]
+        self.entries: dict[Point, list[tuple[int, Written, int, int]]] = {}
         self.overflow: str | None = None  # why the log was dropped (then it holds nothing)
 
     @property
     def replayable(self) -> bool:
         return self.overflow is None
 
-    def record(self, point: Point, first: int, rows: int, value: Any, ready: Any, full_bytes: int,
-               where: str) -> None:
-        """Keep ``value`` (``rows`` token rows from position ``first``, on the host; ``ready``: the
-        CUDA event its copy waits for, or None) as what ``point`` held there once the program was
-        done. ``full_bytes``: its size as the program saw it (whole under TP), for the limit."""
+    def record(self, point: Point, first: int, written: Written, start: int, stop: int, full_bytes: int,
+               step: int) -> None:
+        """Keep rows ``start:stop`` of ``written`` as what ``point`` held at positions from
+        ``first`` once the program was done (at generation ``step``). ``full_bytes``: their size as
+        the program saw them (whole under TP), for the limit."""
         if self.overflow is not None:
             return
         if self.bytes + full_bytes > self.limit:
             self.overflow = (f"its write log passed INTERLACE_REPLAY_LOG_MIB ({self.limit / 2**20:g} MiB) "
-                             f"at {where}")
+                             f"at {point}, step {step}")
             self.entries.clear()
             self.bytes = 0
             return
         self.bytes += full_bytes
-        self.entries.setdefault(point, []).append((first, rows, value, ready))
+        entries = self.entries.get(point)
+        if entries is None:
+            entries = self.entries[point] = []
+        entries.append((first, written, start, stop))
 
 
 def replay_writes(log: WriteLog, first: int, stop: int, start_row: int) -> list[tuple[Point, int, int, Any]]:
@@ -76,13 +92,14 @@ def replay_writes(log: WriteLog, first: int, stop: int, start_row: int) -> list[
     ``(point, batch row, rows, value)`` in the order they were made; ``value`` holds ``rows`` rows."""
     out = []
     for point, entries in log.entries.items():
-        for at, rows, value, ready in entries:
-            lo, hi = max(first, at), min(stop, at + rows)
+        for at, written, start, stop_row in entries:
+            lo, hi = max(first, at), min(stop, at + stop_row - start)
             if lo >= hi:
                 continue
-            if ready is not None:
-                ready.synchronize()
-            out.append((point, start_row + lo - first, hi - lo, token_rows(value, rows, lo - at, hi - at)))
+            if written.ready is not None:
+                written.ready.synchronize()
+            rows = token_rows(written.value, written.num_rows, start + lo - at, start + hi - at)
+            out.append((point, start_row + lo - first, hi - lo, rows))
     return out
 
 
