@@ -17,8 +17,8 @@ Only token points are logged (``output``, ``input``, ``resid``, ``final``): a wr
 or ``samples`` changed a token that is now part of the request's sequence, which vLLM recomputes
 from.
 
-Cost: a copy to host memory of the rows a program wrote, per written point and step (asynchronous
-from a GPU); while a log is kept, a program's reads of module outputs and inputs are copies (so an
+Cost: a copy to host memory of the rows a program wrote, per written point and step (from a GPU
+asynchronous, into reused pinned slabs: pinned.py); while a log is kept, a program's reads of module outputs and inputs are copies (so an
 in-place edit shows in their version counters) where they would be views of vLLM's tensors.
 Memory: host memory, at most ``INTERLACE_REPLAY_LOG_MIB`` per invoke (64 by default), counted by
 the whole (unsplit) values the program wrote, so every TP rank decides alike. Past it the log is
@@ -42,7 +42,7 @@ class Written:
     """The rows of one point a call wrote in one step, on the host, for all its invokes (each
     invoke's log refers to its own rows of it: a batched call copies once)."""
 
-    __slots__ = ("value", "num_rows", "ready")
+    __slots__ = ("value", "num_rows", "ready", "__weakref__")  # weakref: its pinned slabs go back with it
 
     def __init__(self, value: Any, num_rows: int, ready: Any):
         self.value = value  # a tensor, or a module's tuple output (None for what is not per token)
