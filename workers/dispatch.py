@@ -112,11 +112,11 @@ class PointDispatcher:
         here (this rank's piece under TP), for a recomputation after a preemption (write_log.py)."""
         try:
             for held in ctx.holds.live:
-                if not held.written or held.point.kind not in TOKEN_KINDS:
+                if held.written is None or held.point.kind not in TOKEN_KINDS:
                     continue
-                held.written = False
                 slabs: list = []
-                value, ready = _to_host(held.access.read(held.point, held.rows), self.pinned, slabs)
+                value, ready = _to_host(held.written, self.pinned, slabs)
+                held.written = None
                 written = Written(value, ctx.num_rows, ready)
                 for slab in slabs:  # given back once no invoke's log holds the rows
                     weakref.finalize(written, self.pinned.release, slab)
@@ -187,16 +187,19 @@ class PointDispatcher:
                 if held.copy:
                     now = versions(held.value)
                     if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
-                        held.access.write(held.point, held.rows, _local(held.split, held.value))
+                        held.written = _local(held.split, held.value)
+                        held.access.write(held.point, held.rows, held.written)
                         held.versions = now
-                        held.written = True
                         call.writes += 1
             write = call.view._take_write()
             if write is not None:
                 point, value = write
                 held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
-                held.access.write(point, held.rows, _local(held.split, value))
-                held.written = True
+                local = _local(held.split, value)
+                held.access.write(point, held.rows, local)
+                # A tensor of the program's own may change without being written again: logged as
+                # it is now. Its copy handed out here (``resid += v``) may not: an edit is refused.
+                held.written = local if value is held.value or not _logs(ctx) else _own_copy(local)
                 call.writes += 1
         except Exception as exc:  # noqa: BLE001
             call.error = call.error or error_record(exc, where=f"writing {call.view.where()}")
