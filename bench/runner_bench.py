@@ -24,6 +24,12 @@ intervened request bypasses (its hooks must see every token).
 
 Usage: python bench/runner_bench.py [--n 256[,1024...]] [--in 128] [--out 128] [--tp 1] [--pp 1]
        [--cases a,b] [--repeats 3] [--graphs [--eager-too]] [--shape 1b]     (--shape tiny: the bundled tiny Llama, e.g. on CPU)
+       [--kv-gib G]
+``--kv-gib`` squeezes both engines' KV cache to G GiB per rank, so vLLM preempts and recomputes
+requests: plain vLLM recomputes, interlace replays ops and programs' logged writes on the
+recomputed rows (workers/write_log.py). Each pair's line then counts the chunks interlace
+replayed (``replays``); e.g. ``--shape 1b --n 256 --in 128 --out 128 --kv-gib 0.5 --cases
+none,ops-steer1,prog-steer1,prog-steer1-each``.
        python bench/runner_bench.py --kv-clear [--n 256] [--in 128] [--out 128] [--shape 1b]
 Prints one JSON line per pair, then a table. ``--kv-clear`` times only what clearing intervened
 requests' KV-cache blocks adds (workers/kv_blocks.py; the steering cases above pay it): the
@@ -59,6 +65,8 @@ def config(args):
     # on a GPU); otherwise both eager
     engine_args["enforce_eager"] = not getattr(args, "graphs", False)
     update = {"tensor_parallel_size": getattr(args, "tp", 1), "pipeline_parallel_size": getattr(args, "pp", 1)}
+    if getattr(args, "kv_gib", None):  # a squeezed KV cache: vLLM preempts (both engines alike)
+        update["kv_cache_bytes"] = int(args.kv_gib * 2**30)
     return shapes.model_config(args, **engine_args).model_copy(update=update)
 
 
@@ -191,6 +199,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per case")
     shapes.add_argument(parser)
     parser.add_argument("--cases", default="none,ops-save4,ops-steer1,prog-save4,prog-steer1,prog-steer1-each")
+    parser.add_argument("--kv-gib", type=float, default=None, help="KV cache per rank in GiB, both engines "
+                        "(small enough and vLLM preempts: interlace replays ops and programs' writes)")
     parser.add_argument("--kv-clear", action="store_true", help="time clearing intervened requests' KV blocks only")
     parser.add_argument("--graphs", action="store_true", help="both engines compiled with CUDA graphs (enforce_eager=False; "
                         "interlace declares the ops cases' points as graph taps, and runs steps with programs eager)")
@@ -267,6 +277,7 @@ def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, se
             # hooks must see every token), which is not the workload of N new prompts.
             fresh = prompts(n, args.inp, vocab, seed=next(seeds))
             others = [lambda: run_interlace(model, fresh, args.out, cases[name])]
+            replays = sum(model.engine.collective_rpc("interlace_replays"))
             if eager is not None:
                 others.append(lambda: run_interlace(eager, fresh, args.out, cases[name]))
             (p_seconds, p_tokens), [(i_seconds, i_tokens, saved_mib), *rest] = paired(
@@ -282,7 +293,9 @@ def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, se
                 extra = {"eager_interlace_s": round(e_seconds, 3), "eager_ratio": round(eager_ratios[name][-1], 3)}
             print(json.dumps({"n": n, "case": name, "round": round_, "plain_s": round(p_seconds, 3),
                               "interlace_s": round(i_seconds, 3), "tokens": i_tokens,
-                              "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1), **extra}), flush=True)
+                              "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1),
+                              "replays": sum(model.engine.collective_rpc("interlace_replays")) - replays, **extra}),
+                  flush=True)
     table = [(name, statistics.median(plain_rates[name]), *median_interval(ratios[name]), min(ratios[name]),
               max(ratios[name]), best[name][1] / best[name][0]) for name in names]
 

@@ -103,7 +103,8 @@ class Replica:
 
     async def step_counts(self) -> list[dict[str, Any]]:
         """Each rank's step counters: ``graph_steps`` (a compiled engine's graph / taps / eager
-        steps, else None) and ``taps`` (steps whose ops ran in graph taps, else None)."""
+        steps, else None), ``taps`` (steps whose ops ran in graph taps, else None) and
+        ``replays`` (chunks recomputed after a preemption, replayed)."""
         engine = await self._engine_up()
         return await engine.collective_rpc("interlace_step_counts")
 

@@ -402,7 +402,8 @@ class Cluster:
 
     def step_counts(self) -> list[list[dict]]:
         """Each replica's ranks' step counters: how many steps replayed CUDA graphs, ran ops in
-        graph taps, or ran eager (see the guide's graph taps)."""
+        graph taps, or ran eager (see the guide's graph taps), and how many recomputed chunks
+        (after a preemption) were replayed."""
         import ray
 
         return ray.get([s.actor.step_counts.remote() for s in self._replicas])

@@ -99,8 +99,10 @@ class Model:
     def step_counts(self) -> list[dict[str, Any]]:
         """Each rank's step counters, the same as one replica's entry of ``Cluster.step_counts()``:
         ``graph_steps``, a compiled engine's steps that replayed CUDA graphs, ran ops in graph taps
-        or ran eager (None on an eager engine), and ``taps``, the steps whose ops ran in graph taps
-        and the forwards through each tap (None without taps)::
+        or ran eager (None on an eager engine), ``taps``, the steps whose ops ran in graph taps
+        and the forwards through each tap (None without taps), and ``replays``, the chunks vLLM
+        recomputed after preempting a request, on which ops and programs' logged writes were
+        replayed::
 
             >>> model = interlace.Model("tiny-llama", graph_taps=["layers.1.resid"])
             >>> _ = model.generate("Hello", ops=[interlace.ops.save("layers.1.resid")], max_tokens=2)

@@ -1,9 +1,13 @@
-"""A request vLLM preempts (KV cache pressure) is recomputed from scratch. Declarative ops are
-replayed on the recomputed rows exactly (edits applied again, saves not repeated); a program's
-accesses cannot be, so requests with a program are preempted last, and one that is preempted all
-the same fails clearly, never running on the wrong tokens."""
+"""A request vLLM preempts (KV cache pressure) is recomputed from its tokens. Declarative ops are
+replayed on the recomputed rows exactly (edits applied again, saves not repeated); a program is
+not run again for the steps it ran: its logged writes are put back on the recomputed rows and it
+runs live from the first step it had not run (workers/write_log.py). Requests with a program are
+still preempted last; one whose write log passed its limit fails clearly when it is preempted,
+never running on the wrong activations."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -17,29 +21,151 @@ MAX_TOKENS = 200
 ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2
 
 
+LOG_MIB = "0.5"  # the small engine's write log limit per invoke (INTERLACE_REPLAY_LOG_MIB)
+
+
 @pytest.fixture(scope="module")
 def small_cache():
     # 2 KiB of KV per token (4 layers x K,V x 64 dims x fp32): 5 blocks of 128 tokens in 1.25 MiB,
     # while six 100 + 200 token requests need up to 18.
     cfg = interlace.Model("tiny-llama").config.model_copy(update={"kv_cache_bytes": 5 * 256 * 1024})
-    model = interlace.Model(cfg)
-    model.engine
+    before = os.environ.get("INTERLACE_REPLAY_LOG_MIB")
+    os.environ["INTERLACE_REPLAY_LOG_MIB"] = LOG_MIB  # read by the workers as they start
+    try:
+        model = interlace.Model(cfg)
+        model.engine
+    finally:
+        if before is None:
+            del os.environ["INTERLACE_REPLAY_LOG_MIB"]
+        else:
+            os.environ["INTERLACE_REPLAY_LOG_MIB"] = before
     yield model
     model.close()
+
+
+def replays(target) -> int:
+    """Chunks recomputed after a preemption and replayed, over the ranks of a Model's engine or of
+    every replica of a Cluster."""
+    counts = target.step_counts()
+    ranks = [rank for replica in counts for rank in replica] if isinstance(counts[0], list) else counts
+    return sum(rank["replays"] for rank in ranks)
 
 
 def _ids(oracles) -> list[int]:
     return oracles["tiny-llama"].ids(PROMPT)[:100]
 
 
-def test_preempted_program_fails_clearly_and_the_engine_serves_on(small_cache, oracles):
-    def read(m):
-        m.save("h", m.last(m.layers[1].resid))
+def steering(seed: int):
+    """A program that writes every step, through a copy (resid) and a view (a module's output
+    edited in place), and saves every step."""
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(seed))
+    scale = 1.0 + 0.01 * seed
 
-    with pytest.raises(interlace.InterventionError, match="preempted this request"):
+    def program(m):
+        m.layers[1].resid += vector
+        m.layers[2].mlp.output.mul_(scale)
+        m.save("h", m.layers[3].resid)
+    return program
+
+
+def batched_steering():
+    """The same as one batched program: each invoke's own vector, a call over every invoke of the
+    trace vLLM scheduled (some recomputing rows, at different steps)."""
+    vectors = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+
+    @interlace.batched
+    def program(m):
+        h = m.layers[1].resid
+        for j, rows in enumerate(m.rows):
+            h[rows] += vectors[m.invokes[j]]
+        m.layers[2].mlp.output.mul_(1.02)
+        m.save("h", m.layers[3].resid)
+    return program
+
+
+def check_steering(small, ample, ids: list[int], batched: bool = False) -> None:
+    """32 program invokes steering and saving at every step, 64 tokens each, on ``small`` (a KV
+    cache that makes vLLM preempt them) and on ``ample`` (room for all): the same tokens and
+    saves, every step saved once."""
+    runs = {}
+    together = batched_steering() if batched else None  # one program object: one call per step for all
+    for name, model in (("small", small), ("ample", ample)):
+        before = replays(model)
+        with model.trace(max_tokens=64, ignore_eos=True) as tr:
+            for i in range(32):
+                tr.invoke(ids, program=together or steering(i))
+        runs[name] = (tr.result, replays(model) - before)
+    assert runs["small"][1] > 0 and runs["ample"][1] == 0  # preempted under pressure only
+    for got, want in zip(runs["small"][0], runs["ample"][0]):
+        assert got.token_ids == want.token_ids
+        assert got.saves["h"].shape == (len(ids) + 63, 128)  # every step saved once
+        torch.testing.assert_close(got.saves["h"], want.saves["h"], atol=ATOL, rtol=ATOL)
+
+
+def check_messages(small, ample, ids: list[int]) -> None:
+    """A sender patches its prompt into three receivers at step 0 (send/recv), and every invoke
+    shares a count at every step (merge sum), on ``small`` (preempted after step 0) and on
+    ``ample``: none of it happens twice (the recomputed step 0 replays the receivers' writes, not
+    their programs), and tokens and saves are the same."""
+    others = [ids[:50] + ids[60:110], ids[:40] + ids[55:115], ids[5:105]]
+
+    def send(m):
+        if m.step == 0:
+            m.send("clean", m.layers[1].resid.clone())
+        m.share("steps", 1, merge="sum")
+        m.save("h", m.layers[2].resid)
+
+    def patch(m):
+        if m.step == 0:
+            clean = m.recv("clean")
+            m.layers[1].resid[-20:] = clean[-20:]
+            m.share("received", 1, merge="sum")
+        m.share("steps", 1, merge="sum")
+        m.save("h", m.layers[2].resid)
+
+    runs = {}
+    for name, model in (("small", small), ("ample", ample)):
+        before = replays(model)
+        with model.trace(max_tokens=64, ignore_eos=True) as tr:
+            tr.invoke(ids, program=send)
+            for prompt in others:
+                tr.invoke(prompt, program=patch)
+        runs[name] = (tr.result, replays(model) - before)
+    assert runs["small"][1] > 0 and runs["ample"][1] == 0
+    got, want = runs["small"][0], runs["ample"][0]
+    assert got.shared["steps"] == 4 * 64 and got.shared["received"] == 3
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.saves["h"], b.saves["h"], atol=ATOL, rtol=ATOL)
+    unpatched = ample.generate(others[0], program=lambda m: None, max_tokens=64, ignore_eos=True)
+    assert unpatched.token_ids != got[1].token_ids  # the patch changed what it generated
+
+
+def test_preempted_programs_replay_their_writes_and_match_an_ample_cache(small_cache, llama, oracles):
+    check_steering(small_cache, llama, _ids(oracles))
+
+
+def test_a_preempted_batched_program_replays_each_invokes_writes(small_cache, llama, oracles):
+    check_steering(small_cache, llama, _ids(oracles), batched=True)
+
+
+def test_messages_and_shared_values_are_delivered_once_across_preemptions(small_cache, llama, oracles):
+    check_messages(small_cache, llama, _ids(oracles))
+
+
+def test_a_preempted_program_past_its_write_log_fails_clearly_and_the_engine_serves_on(small_cache, oracles):
+    """The small engine keeps 0.5 MiB of writes per invoke: this program writes the whole prompt
+    at every layer (400 KiB at step 0) and more at each step, so its log is dropped, and when it
+    is preempted it fails with the limit named."""
+    def heavy(m):
+        for i in range(4):
+            m.layers[i].mlp.output.mul_(1.0)
+            m.layers[i].resid *= 1.0
+
+    with pytest.raises(interlace.InterventionError, match="INTERLACE_REPLAY_LOG_MIB"):
         with small_cache.trace(max_tokens=MAX_TOKENS, ignore_eos=True) as tr:
             for _ in range(6):
-                tr.invoke(_ids(oracles), program=read)
+                tr.invoke(_ids(oracles), program=heavy)
     out = small_cache.generate(_ids(oracles)[:20], ops=[ops.save("layers.1.resid")], max_tokens=2)
     assert out.saves["layers.1.resid"].shape[0] == 21
 
@@ -48,11 +174,11 @@ def test_preempted_ops_are_replayed_exactly(small_cache, llama, oracles):
     ids = _ids(oracles)
     steer = ops.add("layers.1.resid", torch.randn(128, generator=torch.Generator().manual_seed(0)))
     invoke_ops = [steer, ops.save("layers.2.resid"), ops.save("layers.3.resid", tokens="last")]
-    replays_before = sum(small_cache.engine.collective_rpc("interlace_replays"))
+    replays_before = replays(small_cache)
     with small_cache.trace(max_tokens=MAX_TOKENS, ignore_eos=True) as tr:
         for _ in range(6):
             tr.invoke(ids, ops=invoke_ops)
-    assert sum(small_cache.engine.collective_rpc("interlace_replays")) > replays_before  # it did preempt
+    assert replays(small_cache) > replays_before  # it did preempt
 
     alone = llama.generate(ids, ops=invoke_ops, max_tokens=MAX_TOKENS, ignore_eos=True)  # room for all
     for result in tr.result:
@@ -71,12 +197,12 @@ def test_programs_are_preempted_last_so_one_among_ops_invokes_completes_exactly(
         m.save("h", m.last(m.layers[1].resid))
 
     invoke_ops = [ops.save("layers.2.resid", tokens="last")]
-    replays_before = sum(small_cache.engine.collective_rpc("interlace_replays"))
+    replays_before = replays(small_cache)
     with small_cache.trace(max_tokens=MAX_TOKENS, ignore_eos=True) as tr:
         for _ in range(5):
             tr.invoke(ids, ops=invoke_ops)
         tr.invoke(ids, program=read)
-    assert sum(small_cache.engine.collective_rpc("interlace_replays")) > replays_before  # others were preempted
+    assert replays(small_cache) > replays_before  # others were preempted
 
     alone = llama.generate(ids, program=read, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert tr.result[5].token_ids == alone.token_ids

@@ -10,6 +10,7 @@ tp_agreement.py).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -19,14 +20,17 @@ from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.hooks import HookSet
 from interlace.workers.holds import Held, versions
 from interlace.workers.ops import StepOp, apply as apply_op
+from interlace.workers.pinned import PinnedSlabs
 from interlace.workers.pipeline import HERE, StageMap
-from interlace.workers.points import (MAILBOX, ROW_PER_REQUEST_KINDS, ModuleTree, Point, PointAccess, Rows,
+from interlace.workers.points import (MAILBOX, ROW_PER_REQUEST_KINDS, TOKEN_KINDS, ModuleTree, Point, PointAccess, Rows,
                                       TapAccess, short_name)
 from interlace.workers.readonly import ReadOnlyTensor
+from interlace.workers.saves import host_copy
 from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.tp_agreement import agree_on_paths
+from interlace.workers.write_log import Written, row_bytes
 
 
 class PointDispatcher:
@@ -48,6 +52,7 @@ class PointDispatcher:
         self.save_rows = save_rows
         self.agree_max = agree_max
         self.at_taps = at_taps
+        self.pinned = PinnedSlabs()  # programs' logged writes, from a GPU (write_log.py)
 
     def dispatch(self, step: Step, module: str, family: str, hooked: Any, copies: bool = False) -> Any:
         """Apply the step's ops at this hook, then run the programs waiting here; returns the
@@ -57,6 +62,8 @@ class PointDispatcher:
         access = (TapAccess if copies else PointAccess)(hooked, step.layout)
         for point, step_op in step.ops.get((module, family), ()):
             self._apply_op(step, point, access, step_op)
+        if step.replays:
+            self._replay(step, module, family, access)
         delivered: list[tuple[ProgramCall, CallContext]] = []
         try:
             while step.calls:
@@ -72,6 +79,8 @@ class PointDispatcher:
                 self.settle(step)
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
             for call, ctx in delivered:
+                if ctx.holds.live and _logs(ctx):
+                    self._log_writes(call, ctx)
                 ctx.holds.close(None if call.done else call.waiting_for, call.done)
         return access.result()
 
@@ -89,6 +98,39 @@ class PointDispatcher:
         except Exception as exc:  # noqa: BLE001
             for inv in step_op.invokes:
                 inv.fail(error_record(exc, where=f"op {op['op']} at {point}"))
+
+    def _replay(self, step: Step, module: str, family: str, access: PointAccess) -> None:
+        """Put back, on rows vLLM recomputed after preempting their request, what the program
+        wrote at this hook the first time (after the hook's ops, as then)."""
+        for point, rows, value, state in step.replays.get((module, family), ()):
+            if state.error is not None:
+                continue
+            try:
+                access.write(point, rows, value)
+            except Exception as exc:  # noqa: BLE001
+                state.fail(error_record(exc, where=f"replaying the program's writes at {point}"))
+
+    def _log_writes(self, call: ProgramCall, ctx: CallContext) -> None:
+        """The hook returns: log, per invoke, the final rows of each point the program changed
+        here (this rank's piece under TP), for a recomputation after a preemption (write_log.py)."""
+        try:
+            for held in ctx.holds.live:
+                if held.written is None or held.point.kind not in TOKEN_KINDS:
+                    continue
+                slabs: list = []
+                value, ready = _to_host(held.written, self.pinned, slabs)
+                held.written = None
+                written = Written(value, ctx.num_rows, ready)
+                for slab in slabs:  # given back once no invoke's log holds the rows
+                    weakref.finalize(written, self.pinned.release, slab)
+                per_row = row_bytes(held.value, ctx.num_rows)  # whole values: every TP rank counts alike
+                point, steps = held.point, ctx.steps
+                for j, (state, first, a, b) in enumerate(zip(ctx.invokes, ctx.members.firsts.tolist(),
+                                                             ctx.local_starts.tolist(), ctx.local_stops.tolist())):
+                    if state.writes is not None:
+                        state.writes.record(point, first, written, a, b, per_row * (b - a), steps[j])
+        except Exception as exc:  # noqa: BLE001
+            call.error = call.error or error_record(exc, where=f"logging the program's writes at {call.view.where()}")
 
     def take_tapped(self, tapped: list[tuple[Point, StepOp]], memo: dict) -> None:
         """The saves that ran in taps: their rows, from the taps' buffers (read before the next
@@ -120,6 +162,8 @@ class PointDispatcher:
             call.cancel(f"cannot read {point}: {exc}")
             return
         copy = split is not None or access.is_copy(point, rows)
+        if not copy and point.kind in TOKEN_KINDS and _logs(ctx):
+            value, copy = _own_copy(value), True  # its version counter shows an in-place edit (write_log.py)
         ctx.holds.live.append(Held(point, value, versions(value), access, rows, split, copy))
         call.resume(value)
         self.after_resume(call, ctx)
@@ -149,14 +193,19 @@ class PointDispatcher:
                 if held.copy:
                     now = versions(held.value)
                     if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
-                        held.access.write(held.point, held.rows, _local(held.split, held.value))
+                        held.written = _local(held.split, held.value)
+                        held.access.write(held.point, held.rows, held.written)
                         held.versions = now
                         call.writes += 1
             write = call.view._take_write()
             if write is not None:
                 point, value = write
                 held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
-                held.access.write(point, held.rows, _local(held.split, value))
+                local = _local(held.split, value)
+                held.access.write(point, held.rows, local)
+                # A tensor of the program's own may change without being written again: logged as
+                # it is now. Its copy handed out here (``resid += v``) may not: an edit is refused.
+                held.written = local if value is held.value or not _logs(ctx) else _own_copy(local)
                 call.writes += 1
         except Exception as exc:  # noqa: BLE001
             call.error = call.error or error_record(exc, where=f"writing {call.view.where()}")
@@ -240,3 +289,34 @@ def _local(split, value: Any) -> Any:
     if isinstance(value, tuple):
         return (split.local(value[0]), *value[1:])
     return split.local(value)
+
+
+def _logs(ctx: CallContext) -> bool:
+    """Whether the call's invokes keep a write log (write_log.py): all of a call's alike."""
+    log = ctx.invokes[0].writes
+    return log is not None and log.replayable
+
+
+def _own_copy(value: Any) -> Any:
+    """A copy of a view of vLLM's tensors, outside inference mode, so its version counter shows
+    an in-place edit (inference tensors have none)."""
+    with torch.inference_mode(False):
+        if isinstance(value, tuple):
+            return tuple(_own_copy(v) for v in value)
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _to_host(value: Any, pinned: PinnedSlabs, slabs: list) -> tuple[Any, Any]:
+    """A host copy of a value (a tensor or a tuple of them), and the CUDA event the last copy
+    waits on (None on a CPU). From a GPU the copies are cut from ``pinned``'s slabs (a fresh
+    pinned allocation per write cost ~0.1 ms), each slab held added to ``slabs``."""
+    if isinstance(value, tuple):
+        parts = [_to_host(v, pinned, slabs) for v in value]
+        ready = next((r for _v, r in reversed(parts) if r is not None), None)
+        return tuple(v for v, _r in parts), ready
+    if not isinstance(value, torch.Tensor):
+        return None, None
+    host, ready, slab = host_copy(value, pinned if value.device.type == "cuda" else None)
+    if slab is not None:
+        slabs.append(slab)
+    return host, ready

@@ -41,14 +41,14 @@ class InterlaceWorkerExtension:
         eager (those that intervened otherwise; None on an eager engine); and ``taps``: on an
         engine with graph taps, the steps whose ops ran through them (``steps``), the steps whose
         programs ran at them (``programs``), and the forwards that ran each tap's ops (by module
-        name; every graph replay does; None without taps)."""
+        name; every graph replay does; None without taps); ``replays``: as :meth:`interlace_replays`."""
         inter = self.model_runner._interlace
         taps = None
         if inter.taps is not None:
             ran = inter.taps.ran.tolist()
             taps = {"steps": inter.tap_steps, "programs": inter.piece_steps,
                     "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
-        return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps}
+        return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps, "replays": inter.scheduler.replays}
 
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,

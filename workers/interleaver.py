@@ -31,14 +31,15 @@ import cloudpickle
 import numpy as np
 import torch
 
+from interlace.core import settings
 from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.dispatch import PointDispatcher
 from interlace.workers.flight import entry_for
-from interlace.workers.hooks import HookSet
+from interlace.workers.hooks import HookSet, hook_of
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpOrder, applied_bit, selected_nothing
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
-from interlace.workers.points import MAILBOX, ModuleTree
+from interlace.workers.points import MAILBOX, ModuleTree, Rows
 from interlace.workers.program_services import ProgramServices
 from interlace.workers.reporter import Reporter
 from interlace.workers.reports import ReportBatcher
@@ -49,6 +50,7 @@ from interlace.workers.step_schedule import StepScheduler
 from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.tp_agreement import agree_on_time
 from interlace.workers.view import ProgramView
+from interlace.workers.write_log import WriteLog, replay_writes
 
 PAYLOAD_KEY = "interlace"
 logger = logging.getLogger("interlace")
@@ -92,6 +94,7 @@ class Interleaver(ProgramServices):
         self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
+        self.replay_log_bytes = settings.replay_log_bytes()  # each program invoke's write log (write_log.py)
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
@@ -153,6 +156,8 @@ class Interleaver(ProgramServices):
                             flight.leave()
                     self._programs[key] = _on_device(program, self.device)
                 state.program = self._programs[key]
+                if self.replay_log_bytes > 0:
+                    state.writes = WriteLog(self.replay_log_bytes)
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
                 self.slots.group[state.slot] = self.scheduler.group_number(state.group_key)
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
@@ -314,6 +319,8 @@ class Interleaver(ProgramServices):
             scheduled = scheduled.pick(np.array([j for j, s in enumerate(scheduled.states) if s.error is None], np.int64))
         ops = scheduler.step_ops(scheduled, memo, reuse=not failed)
         self.step = Step(layout, [], ops, memo=memo)
+        if (scheduled.firsts < scheduled.replay_until).any():  # rows recomputed after a preemption
+            self.step.replays = self._replays(scheduled)
         if self.tap_step:  # every op runs inside the forward, from the taps' buffers: no hook applies one
             self.taps.fill(ops, memo)
             self.step.ops = {}
@@ -352,6 +359,23 @@ class Interleaver(ProgramServices):
             self.dispatcher.after_resume(call, ctx)
             self.dispatcher.pump(self.step)
         self.dispatcher.settle(self.step)
+
+    def _replays(self, scheduled) -> dict:
+        """The logged program writes to put back on rows this step recomputes after a preemption,
+        by hook (write_log.py); their hooks are wanted again (the program may read elsewhere now)."""
+        by_hook: dict = {}
+        recomputed = np.flatnonzero(scheduled.firsts < scheduled.replay_until)
+        for j in recomputed.tolist():
+            state = scheduled.states[j]
+            if state.writes is None or state.error is not None:
+                continue
+            first, start = int(scheduled.firsts[j]), int(scheduled.starts[j])
+            stop = min(first + int(scheduled.stops[j]) - start, int(scheduled.replay_until[j]))
+            for point, row, n, value in replay_writes(state.writes, first, stop, start):
+                self.hooks.want(point, owner=state.req_id)
+                by_hook.setdefault(hook_of(point), []).append(
+                    (point, Rows(slice(row, row + n)), _to_device(value, self.device), state))
+        return by_hook
 
     def end_step(self) -> dict[str, Carried]:
         """Close the step's calls; returns what the next pipeline stage needs to go on."""
@@ -466,6 +490,13 @@ def _op_on_device(op: dict, device: torch.device) -> dict:
     if isinstance(op.get("value"), torch.Tensor):
         op = {**op, "value": op["value"].to(device)}
     return op
+
+
+def _to_device(value, device: torch.device):
+    """A logged write's host rows on the model's device (a tensor, or a tuple with Nones)."""
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value if value is None or device.type == "cpu" else value.to(device, non_blocking=True)
 
 
 def _on_device(program: Any, device: torch.device) -> Any:

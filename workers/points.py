@@ -239,7 +239,7 @@ class PointAccess:
         if isinstance(base, tuple):
             for t, v in zip(base, value):
                 d = _dim(t, self.layout.num_tokens, point.kind)
-                if d is not None:
+                if d is not None and v is not None:
                     rows.put(t, d, v)
             return
         rows.put(base, _dim(base, self.layout.num_tokens, point.kind) or 0, value)

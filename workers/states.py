@@ -23,6 +23,7 @@ from interlace.workers.ops import StepOp
 from interlace.workers.pipeline import Carried
 from interlace.workers.points import ModuleTree, Point, Rows, device_index
 from interlace.workers.slots import SlotTable
+from interlace.workers.write_log import WriteLog
 
 if TYPE_CHECKING:
     from interlace.workers.interleaver import Interleaver
@@ -54,6 +55,7 @@ class InvokeState:
     off_taps: bool = False  # its program waited at a point not served there: its steps run eager
     slots: SlotTable | None = None  # the rank's slot table (where its step is), if it has one
     error_step: int = 0  # the generation step it failed at (see keep_steps_to)
+    writes: WriteLog | None = None  # its program's writes, replayed if vLLM recomputes it (write_log.py)
 
     # Invokes failed so far, in this process: a step tells whether any failed since the last one
     # by comparing one number, not by looking at every invoke of the batch.
@@ -104,6 +106,15 @@ class Scheduled:
         return Scheduled([self.states[i] for i in index.tolist()], self.slots[index], self.req_rows[index],
                          self.starts[index], self.stops[index], self.firsts[index], self.final[index],
                          self.steps[index], self.prompt_lens[index], self.replay_until[index], self.epoch)
+
+    def live(self) -> "Scheduled":
+        """The rows a program runs on: a chunk that recomputes rows after a preemption starts, for
+        the program, at the first position it has not run (the rows before get its logged writes)."""
+        shift = np.maximum(0, self.replay_until - self.firsts)
+        if not shift.any():
+            return self
+        return Scheduled(self.states, self.slots, self.req_rows, self.starts + shift, self.stops, self.firsts + shift,
+                         self.final, self.steps, self.prompt_lens, self.replay_until, self.epoch)
 
     def advanced(self) -> "Scheduled":
         """The next step of the same epoch: every invoke one step further, in the same rows."""
@@ -178,6 +189,8 @@ class Step:
     pumped: int = -1
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
     tapped: list[tuple[Point, StepOp]] = field(default_factory=list)  # saves that ran in graph taps
+    # by hook: logged program writes to put back on rows recomputed after a preemption (write_log.py)
+    replays: dict[tuple[str, str], list[tuple[Point, Rows, Any, InvokeState]]] = field(default_factory=dict)
     memo: dict = field(default_factory=dict)  # work shared by the steps of an epoch (StepScheduler.memo)
     times_agreed: bool = False  # under TP: the last path round saw every call done, so its times are final
 

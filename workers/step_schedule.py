@@ -132,7 +132,8 @@ class StepScheduler:
         A chunk that starts before the invoke's next position recomputes rows vLLM computed
         before it preempted the request (KV cache pressure). Declarative ops are replayed
         exactly (edits applied again, saves not repeated: see OpPlan.for_step); a program's
-        accesses cannot be, so an invoke with a program fails.
+        writes are put back from its write log (write_log.py) and the program runs only on the
+        rows after them (program_groups). An invoke whose program kept no log fails.
         """
         states = list(map(self.invokes.get, layout.req_ids))
         picked = [i for i, state in enumerate(states) if state is not None and state.error is None]
@@ -149,13 +150,16 @@ class StepScheduler:
         scheduled = Scheduled([states[i] for i in picked], slots, index, starts, stops, firsts,
                               ends >= prompt_len, np.maximum(0, ends - prompt_len), prompt_len,
                               table.replay_until[slots])
-        failed = [j for j in np.flatnonzero(recomputed).tolist() if scheduled.states[j].program is not None]
+        failed = [j for j in np.flatnonzero(recomputed).tolist() if not _replayable(scheduled.states[j])]
         self.replays += int(recomputed.sum()) - len(failed)
         for j in failed:
+            log = scheduled.states[j].writes
+            why = log.overflow if log is not None else "it keeps no write log (INTERLACE_REPLAY_LOG_MIB is 0)"
             scheduled.states[j].fail(error_record(RuntimeError(
                 f"vLLM preempted this request and recomputed it from position {firsts[j]} (KV cache "
-                "pressure); a program's accesses cannot be replayed exactly (declarative ops are). "
-                "Give the engine more KV cache or run fewer requests at once"), where=f"position {firsts[j]}"))
+                f"pressure), and its program's writes cannot be replayed: {why}. Raise "
+                "INTERLACE_REPLAY_LOG_MIB (host memory per invoke), give the engine more KV cache, or "
+                "run fewer requests at once"), where=f"position {firsts[j]}"))
         if not failed:
             return scheduled
         keep = np.ones(len(picked), dtype=bool)
@@ -175,7 +179,8 @@ class StepScheduler:
             groups = memo["groups"] = {key: members.advanced() for key, members in memo["groups"].items()}
             return groups, False
         group = self.slots.group[scheduled.slots]
-        runs = group >= 0
+        # a chunk that only recomputes rows after a preemption runs no program (its writes are replayed)
+        runs = (group >= 0) & (scheduled.firsts + (scheduled.stops - scheduled.starts) > scheduled.replay_until)
         some_steps = runs & self.slots.some_steps[scheduled.slots]
         for j in np.flatnonzero(some_steps).tolist():
             runs[j] = int(scheduled.steps[j]) in scheduled.states[j].steps
@@ -191,11 +196,18 @@ class StepScheduler:
         index = np.flatnonzero(runs & ~chunked)
         index = index[np.lexsort((self.slots.invoke[scheduled.slots[index]], group[index]))]  # by group, then invoke
         groups = np.split(index, np.flatnonzero(np.diff(group[index])) + 1) if len(index) else []
-        picked = {scheduled.states[g[0]].group_key: scheduled.pick(g) for g in groups}
+        picked = {scheduled.states[g[0]].group_key: scheduled.pick(g).live() for g in groups}
         failed = bool((runs & chunked).any())
-        if not failed and not some_steps.any():  # the groups stay as they are for the epoch
+        replaying = bool((scheduled.firsts < scheduled.replay_until).any())
+        if not failed and not some_steps.any() and not replaying:  # the groups stay as they are for the epoch
             memo["groups"] = picked
         return picked, failed
+
+
+def _replayable(state: InvokeState) -> bool:
+    """Whether a recomputed invoke comes through exactly: ops are replayed, and a program's
+    writes are while its write log holds them all."""
+    return state.program is None or (state.writes is not None and state.writes.replayable)
 
 
 def _continues(last: BatchLayout, layout: BatchLayout) -> bool:

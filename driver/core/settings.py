@@ -6,6 +6,9 @@
     INTERLACE_DEVICE_SAVES_GIB  GPU memory (GiB) a worker rank may keep saved rows in until they
                          are reported (default 2; at most half the memory free at the first save);
                          past it, saves are copied to pinned host memory as they are made
+    INTERLACE_REPLAY_LOG_MIB  host memory (MiB) each program invoke's write log may take (default
+                         64; 0: keep none): what a preempted request's program wrote, replayed on
+                         the recomputed rows (workers/write_log.py)
     INTERLACE_CPU_CORES  CPU engines: the cores an engine's ranks are bound to, round-robin
                          ("0", "2,3"); default: every core the process may use. A cluster sets it
                          per replica through the replica actor's runtime_env.
@@ -36,6 +39,10 @@ def trace_timeout_s() -> float:
 
 def device_saves_bytes() -> int:
     return int(float(os.environ.get("INTERLACE_DEVICE_SAVES_GIB", "2")) * 2**30)
+
+
+def replay_log_bytes() -> int:
+    return int(float(os.environ.get("INTERLACE_REPLAY_LOG_MIB", "64")) * 2**20)
 
 
 def cpu_cores() -> list[int] | None:

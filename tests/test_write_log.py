@@ -1,0 +1,44 @@
+"""The write log on its own (no engine): which logged rows a recomputed chunk gets back, where,
+and what happens past the limit (workers/write_log.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from interlace.workers.points import Point
+from interlace.workers.write_log import Written, WriteLog, replay_writes
+
+RESID = Point("model.layers.1", "resid")
+OUT = Point("model.layers.2.mlp", "output")
+
+
+def test_a_recomputed_chunk_gets_each_invokes_own_rows_at_their_positions():
+    # a batched call over two invokes: invoke 0 owns rows 0:3 (prompt positions 0-2), invoke 1 rows 3:5
+    step0 = Written(torch.arange(5.0)[:, None].repeat(1, 4), 5, None)
+    log0, log1 = WriteLog(1 << 20), WriteLog(1 << 20)
+    log0.record(RESID, 0, step0, 0, 3, 48, step=0)
+    log1.record(RESID, 0, step0, 3, 5, 32, step=0)
+    log0.record(RESID, 3, Written(torch.full((1, 4), 9.0), 1, None), 0, 1, 16, step=1)  # step 1, position 3
+    # (hidden, residual) of a layer's output: the tuple is kept, per-token element by element
+    log0.record(OUT, 3, Written((torch.full((1, 4), 7.0), None), 1, None), 0, 1, 16, step=1)
+
+    # invoke 0 recomputed from position 1 (position 0 still in the prefix cache), its chunk at batch row 10
+    got = replay_writes(log0, first=1, stop=4, start_row=10)
+    assert [(p, row, n) for p, row, n, _v in got] == [(RESID, 10, 2), (RESID, 12, 1), (OUT, 12, 1)]
+    assert got[0][3].flatten().tolist() == [1.0] * 4 + [2.0] * 4
+    assert got[1][3].flatten().tolist() == [9.0] * 4
+    assert got[2][3][1] is None and got[2][3][0].flatten().tolist() == [7.0] * 4
+    [(_p, row, n, value)] = replay_writes(log1, first=0, stop=2, start_row=0)
+    assert (row, n) == (0, 2) and value[:, 0].tolist() == [3.0, 4.0]
+    assert replay_writes(log0, first=4, stop=4, start_row=0) == []  # nothing recomputed: nothing replayed
+
+
+def test_past_its_limit_a_log_is_dropped_and_says_where():
+    log = WriteLog(100)
+    log.record(RESID, 0, Written(torch.zeros(3, 4), 3, None), 0, 3, 60, step=0)
+    assert log.replayable and log.bytes == 60
+    log.record(RESID, 3, Written(torch.zeros(3, 4), 3, None), 0, 3, 60, step=1)
+    assert not log.replayable and log.entries == {} and log.bytes == 0
+    assert "INTERLACE_REPLAY_LOG_MIB" in log.overflow and "layers.1.resid, step 1" in log.overflow
+    log.record(RESID, 4, Written(torch.zeros(1, 4), 1, None), 0, 1, 16, step=2)  # nothing kept from then on
+    assert log.entries == {}
