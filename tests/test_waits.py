@@ -119,6 +119,17 @@ def test_edit_after_reading_a_later_point_fails(llama, oracles):
     assert llama.generate(ids, max_tokens=4, ignore_eos=True).token_ids == oracles["tiny-llama"].greedy(ids, 4)
 
 
+def test_an_output_edited_after_reading_a_later_point_fails(llama):
+    """A module's output is a copy while the invoke keeps a write log (the default), so an
+    in-place edit after its module ran is seen and refused, as for resid."""
+    def late_edit(m):
+        out = m.layers[1].mlp.output
+        m.save("later", m.layers[2].resid)
+        out.mul_(2.0)
+
+    _fails(llama, [late_edit], r"edited in place its copy of layers\.1\.mlp\.output after reading layers\.2\.resid")
+
+
 def test_edit_after_reading_an_earlier_stage_point_fails(any_model):
     """Layer 0 and layer 3 run on different stages under PP=2: the late edit happens on the stage
     that replays layer 0's value, and fails there just as on one device."""
