@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from interlace.workers import calls
 from interlace.workers.calls import ProgramCall
@@ -159,3 +160,19 @@ def test_a_stopped_program_fails_with_the_groups_record_even_if_it_swallows_the_
     assert call.done and call.error["message"] == "went apart"
     call.resume(None)  # nothing runs any more
     assert call.done
+
+
+def test_tensors_a_program_reaches_through_the_functions_it_calls_move_to_the_models_device():
+    """``interlace.batched(lambda m: steer(m))`` holds its vector in ``steer``'s closure, not its
+    own: the worker follows the functions a program captured (a CPU vector met a GPU stream there
+    before), once each, recursion included. "meta" stands in for a GPU here."""
+    from interlace.workers.interleaver import _on_device
+
+    vector, scale = torch.ones(3), torch.full((3,), 2.0)
+
+    def steer(m):
+        return vector * scale if m else steer(1)
+
+    program = lambda m: steer(m)  # noqa: E731 - the form a user writes
+    assert _on_device(program, torch.device("meta")) is program
+    assert steer(1).device.type == "meta"  # both of steer's cells, reached through the lambda's

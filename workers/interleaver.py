@@ -24,6 +24,7 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -501,18 +502,33 @@ def _to_device(value, device: torch.device):
 
 def _on_device(program: Any, device: torch.device) -> Any:
     """Move tensors a program captured (closure cells, module-level globals shipped with it) to
-    the model's device, once per program, so ``resid += vector`` works with a CPU-made vector."""
+    the model's device, once per program, so ``resid += vector`` works with a CPU-made vector.
+    Functions it captured are followed too (``interlace.batched(lambda m: steer(m))`` holds the
+    vector in ``steer``'s closure), each once."""
     if device.type == "cpu":
         return program
-    for cell in getattr(program, "__closure__", None) or ():
-        try:
-            if isinstance(cell.cell_contents, torch.Tensor):
-                cell.cell_contents = cell.cell_contents.to(device)
-        except ValueError:  # an empty cell
-            pass
-    code = getattr(program, "__code__", None)
-    globals_ = getattr(program, "__globals__", {})
-    for name in code.co_names if code is not None else ():
-        if isinstance(globals_.get(name), torch.Tensor):
-            globals_[name] = globals_[name].to(device)
+    seen: set[int] = set()
+    stack = [program]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen or not callable(fn):
+            continue
+        seen.add(id(fn))
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, torch.Tensor):
+                cell.cell_contents = value.to(device)
+            elif inspect.isfunction(value):
+                stack.append(value)
+        code = getattr(fn, "__code__", None)
+        globals_ = getattr(fn, "__globals__", {})
+        for name in code.co_names if code is not None else ():
+            value = globals_.get(name)
+            if isinstance(value, torch.Tensor):
+                globals_[name] = value.to(device)
+            elif inspect.isfunction(value) and getattr(value, "__module__", None) == getattr(fn, "__module__", None):
+                stack.append(value)  # a helper shipped with the program (its own module's)
     return program
