@@ -1,6 +1,8 @@
-"""Compiled GPU engines with CUDA graphs (``enforce_eager=False``): steps without interventions
-run vLLM's graphs, steps with them run eager and match transformers (workers/graphs.py). The
-engine tests are GPU-marked; the choice of eager kernels runs on a CPU too.
+"""Compiled GPU engines with CUDA graphs (``enforce_eager=False``) at TP=1, TP=2 and PP=2: steps
+without interventions run vLLM's graphs, ops at the default taps run inside them, programs that
+touch only taps run between graph pieces, other steps run eager, and all match transformers
+(workers/graphs.py, workers/tap_graphs.py). The engine tests are GPU-marked (TP=2 and PP=2 need
+two GPUs); the choice of eager kernels runs on a CPU too.
 
 The whole fidelity suite also runs on such engines: ``INTERLACE_TEST_ENGINE_ARGS='{"enforce_eager":
 false}' pytest tests/test_interventions.py ...`` on a GPU machine, with ``"graph_taps": [...]``
@@ -20,17 +22,22 @@ from interlace import ops
 ATOL = 1e-2  # GPUs: see test_interventions.ATOL
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    model = interlace.Model("tiny-llama", enforce_eager=False)
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+@pytest.fixture(scope="module", params=[pytest.param((tp, pp), id=name, marks=[pytest.mark.ranks(tp * pp)] if tp * pp > 1 else [])
+                                        for name, (tp, pp) in LAYOUTS.items()])
+def compiled(request):
+    tp, pp = request.param
+    model = interlace.Model("tiny-llama", enforce_eager=False, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     model.engine
     yield model
     model.close()
 
 
 def steps(model) -> dict[str, int]:
-    [rank] = model.step_counts()
-    return dict(rank["graph_steps"])
+    """The first rank's step counts (every rank takes the same path in a step)."""
+    return dict(model.step_counts()[0]["graph_steps"])
 
 
 @pytest.mark.gpu
@@ -97,6 +104,79 @@ def test_programs_run_between_graph_pieces_as_transformers_computes(compiled, or
         ref = oracle.run(ids + result.token_ids[:-1], hooks)
         torch.testing.assert_close(result.saves["resid2"], ref["resid"][2], atol=ATOL, rtol=ATOL)
     assert tr.result.invokes[3].token_ids == oracle.greedy(oracle.ids(prompts[3]), 6)
+
+
+@pytest.mark.gpu
+def test_patching_with_recv_between_graph_pieces_beside_a_program_that_reads_no_tap(compiled, oracles):
+    """Between graph pieces, a receiver averages its layer-1 stream with the sender's last row
+    (``recv`` across invokes) while tap-only programs steer beside it; a program in the same batch
+    that reads a point no tap serves (an MLP output) makes those steps eager. Every invoke's tokens
+    and saves are transformers' with the same edits."""
+    oracle = oracles["tiny-llama"]
+    vector = torch.randn(oracle.model.config.hidden_size, generator=torch.Generator().manual_seed(7)) * 2
+    n = 6
+    sender_ids, receiver_ids = oracle.ids("The capital of France is"), oracle.ids("One two three four")
+    steered_ids, reader_ids = oracle.ids("Hello, my name is"), oracle.ids("A program that reads an MLP")
+
+    def sender(m):
+        m.send("stream", m.layers[1].resid)
+
+    def receiver(m):
+        r = m.layers[1].resid
+        r[:] = (r + m.recv("stream")[-1:]) / 2
+        m.save("resid2", m.layers[2].resid)
+
+    # a batched program whose closure's function holds the vector on the CPU (moved for it)
+    def steer(m):
+        m.layers[1].resid += vector
+        m.save("resid2", m.layers[2].resid)
+
+    def reader(m):
+        m.save("mlp", m.layers[1].mlp.output)
+        m.layers[2].resid += vector
+
+    before = steps(compiled)
+    with compiled.trace(max_tokens=n, ignore_eos=True) as tr:
+        tr.invoke(sender_ids, program=sender)
+        tr.invoke(receiver_ids, program=receiver)
+        tr.invoke(steered_ids, program=interlace.batched(lambda m: steer(m)))
+    after = steps(compiled)
+    assert after["pieces"] >= before["pieces"] + n - 1
+    sent, received, steered = tr.result.invokes
+
+    assert sent.token_ids == oracle.greedy(sender_ids, n)
+    stream = oracle.run(sender_ids + sent.token_ids[:-1])["resid"][1]
+    last_sent = len(sender_ids) - 1  # the sender's row the receiver's prompt gets; then one per step
+
+    def patch(out):
+        out = out.clone()
+        p = len(receiver_ids)
+        out[0, :p] = (out[0, :p] + stream[last_sent]) / 2
+        for pos in range(p, out.shape[1]):
+            out[0, pos] = (out[0, pos] + stream[last_sent + pos - p + 1]) / 2
+        return out
+
+    patched = {oracle.layers[1]: patch}
+    assert received.token_ids == oracle.greedy(receiver_ids, n, hooks=patched)
+    torch.testing.assert_close(received.saves["resid2"], oracle.run(receiver_ids + received.token_ids[:-1], patched)["resid"][2],
+                               atol=ATOL, rtol=ATOL)
+    hooks = {oracle.layers[1]: lambda out: out + vector}
+    assert steered.token_ids == oracle.greedy(steered_ids, n, hooks=hooks)
+    torch.testing.assert_close(steered.saves["resid2"], oracle.run(steered_ids + steered.token_ids[:-1], hooks)["resid"][2],
+                               atol=ATOL, rtol=ATOL)
+
+    # the same steering beside a program that reads a point no tap serves: those steps run eager
+    before = steps(compiled)
+    with compiled.trace(max_tokens=n, ignore_eos=True) as tr:
+        tr.invoke(steered_ids, program=steer)
+        tr.invoke(reader_ids, program=reader)
+    after = steps(compiled)
+    assert after["eager"] >= before["eager"] + n
+    beside, read = tr.result.invokes
+    assert beside.token_ids == steered.token_ids and read.token_ids == oracle.greedy(
+        reader_ids, n, hooks={oracle.layers[2]: lambda out: out + vector})
+    torch.testing.assert_close(beside.saves["resid2"], steered.saves["resid2"], atol=ATOL, rtol=ATOL)
+    assert read.saves["mlp"].shape[0] == len(reader_ids) + n - 1
 
 
 @pytest.mark.gpu

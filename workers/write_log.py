@@ -42,12 +42,13 @@ class Written:
     """The rows of one point a call wrote in one step, on the host, for all its invokes (each
     invoke's log refers to its own rows of it: a batched call copies once)."""
 
-    __slots__ = ("value", "num_rows", "ready", "__weakref__")  # weakref: its pinned slabs go back with it
+    __slots__ = ("value", "num_rows", "ready", "hold")
 
-    def __init__(self, value: Any, num_rows: int, ready: Any):
+    def __init__(self, value: Any, num_rows: int, ready: Any, hold: Any = None):
         self.value = value  # a tensor, or a module's tuple output (None for what is not per token)
         self.num_rows = num_rows  # the call's token rows
         self.ready = ready  # the CUDA event its copy from the GPU waits on (None on a CPU)
+        self.hold = hold  # shared by the Written of one host copy: its pinned slabs go back with the last
 
 
 class WriteLog:
