@@ -56,6 +56,27 @@ def _model(name: str, **overrides) -> interlace.Model:
     return model
 
 
+_KEPT: dict[tuple, interlace.Model] = {}
+
+
+def kept_engine(name: str, **settings) -> interlace.Model:
+    """One engine per settings for the whole session, for modules that need the same one: the
+    GPU modules' compiled engines (tests/test_gpu_numerics.py, tests/test_graphs.py) each take
+    one to three minutes to start."""
+    key = (name, tuple(sorted(settings.items())))
+    if key not in _KEPT:
+        _KEPT[key] = interlace.Model(name, **settings)
+        _KEPT[key].engine
+    return _KEPT[key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_kept_engines():
+    yield
+    while _KEPT:
+        _KEPT.popitem()[1].close()
+
+
 @pytest.fixture(scope="session")
 def llama():
     model = _model("tiny-llama")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import interlace
+from conftest import kept_engine
 from test_interventions import PROMPT, check_invokes_stop_at_eos
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +39,10 @@ def _param(name: str, eager: bool):
 @pytest.fixture(scope="module", params=[_param(name, eager) for name in LAYOUTS for eager in (True, False)])
 def engine(request):
     tp, pp, eager = request.param
-    model = interlace.Model("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp, enforce_eager=eager)
+    if not eager:  # the compiled ones are tests/test_graphs.py's too
+        yield kept_engine("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp, enforce_eager=False)
+        return
+    model = interlace.Model("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp, enforce_eager=True)
     model.engine  # start now: a start-up failure shows in the fixture
     yield model
     model.close()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import interlace
+from conftest import kept_engine
 from interlace import ops
 
 ATOL = 1e-2  # GPUs: see test_interventions.ATOL
@@ -29,10 +30,7 @@ LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
                                         for name, (tp, pp) in LAYOUTS.items()])
 def compiled(request):
     tp, pp = request.param
-    model = interlace.Model("tiny-llama", enforce_eager=False, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    model.engine
-    yield model
-    model.close()
+    return kept_engine("tiny-llama", tensor_parallel_size=tp, pipeline_parallel_size=pp, enforce_eager=False)
 
 
 def steps(model) -> dict[str, int]:
