@@ -24,8 +24,9 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run where torch sees a GPU (the lent GPU machines); tests marked
     ``ranks(n)`` run on a CPU (logical ranks) or where at least n GPUs are visible (each rank
     takes one). A module's ``CPU_LAYOUTS`` (model -> layouts) narrows its parallel layouts for a
-    model on a CPU (tests/test_parallel.py). Elsewhere they are deselected, and the summary line
-    counts them."""
+    model on a CPU, and its ``CPU_OWN_TESTS_ONLY`` the layouts at which only its own tests run there,
+    not those it collects again from other modules (tests/test_parallel.py). Elsewhere they are
+    deselected, and the summary line counts them."""
     gpus = torch.cuda.device_count()
 
     def runs_here(item) -> bool:
@@ -42,6 +43,8 @@ def pytest_collection_modifyitems(config, items):
 def _in_cpu_layouts(item) -> bool:
     layouts = getattr(item.module, "CPU_LAYOUTS", None)
     params = item.callspec.params if hasattr(item, "callspec") else {}
+    if params.get("layout") in getattr(item.module, "CPU_OWN_TESTS_ONLY", ()) and item.function.__module__ != item.module.__name__:
+        return False  # a test collected again from another module, at a layout that runs only the module's own
     return not layouts or "layout" not in params or params["layout"] in layouts.get(params.get("any_model"), [params["layout"]])
 
 

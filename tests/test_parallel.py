@@ -32,6 +32,10 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}
 # their projections); the pipeline code is the same for both models. Its PP=2 and TP=2 x PP=2
 # engines cost the CPU suite about 2 minutes; GPU runs take every layout (conftest.py).
 CPU_LAYOUTS = {"tiny-qwen2": ["tp2"]}
+# On a CPU, TP=2 x PP=2 (four ranks on two cores) runs this module's own tests, which are about
+# ranks and stages; the fidelity tests collected again here run at TP=2 and at PP=2 (2.5 minutes
+# of the CI suite at TP=2 x PP=2). GPU runs take them at every layout.
+CPU_OWN_TESTS_ONLY = {"tp2xpp2"}
 # vLLM's executor for the ranks: "mp" (one host) or "ray" (what multi-node deployments use; the
 # CPU platform refuses it, so it runs on the GPU machines: INTERLACE_TEST_EXECUTOR=ray).
 EXECUTOR = os.environ.get("INTERLACE_TEST_EXECUTOR", "mp")
