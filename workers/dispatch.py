@@ -337,7 +337,8 @@ def _joined_to_host(values: list, num_rows: list[int], pinned: PinnedSlabs, slab
     if len(values) > 1 and all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n
                                and v.shape[1:] == first.shape[1:] and v.dtype == first.dtype
                                and v.device == first.device for v, n in zip(values, num_rows)):
-        host, ready = _to_host(torch.cat(values), pinned, slabs)
+        joined = torch.cat(values)  # a new tensor: on a CPU it is the host copy already
+        host, ready = _to_host(joined, pinned, slabs) if joined.device.type == "cuda" else (joined, None)
         return [(part, ready, hold) for part in host.split(num_rows)]
     out = []
     for value in values:
