@@ -19,6 +19,7 @@ import torch
 import interlace
 from conftest import kept_engine
 from interlace import ops
+from test_taps import average_with_received, send_layer1
 
 ATOL = 1e-2  # GPUs: see test_interventions.ATOL
 
@@ -116,14 +117,6 @@ def test_patching_with_recv_between_graph_pieces_beside_a_program_that_reads_no_
     sender_ids, receiver_ids = oracle.ids("The capital of France is"), oracle.ids("One two three four")
     steered_ids, reader_ids = oracle.ids("Hello, my name is"), oracle.ids("A program that reads an MLP")
 
-    def sender(m):
-        m.send("stream", m.layers[1].resid)
-
-    def receiver(m):
-        r = m.layers[1].resid
-        r[:] = (r + m.recv("stream")[-1:]) / 2
-        m.save("resid2", m.layers[2].resid)
-
     # a batched program whose closure's function holds the vector on the CPU (moved for it)
     def steer(m):
         m.layers[1].resid += vector
@@ -135,8 +128,8 @@ def test_patching_with_recv_between_graph_pieces_beside_a_program_that_reads_no_
 
     before = steps(compiled)
     with compiled.trace(max_tokens=n, ignore_eos=True) as tr:
-        tr.invoke(sender_ids, program=sender)
-        tr.invoke(receiver_ids, program=receiver)
+        tr.invoke(sender_ids, program=send_layer1)
+        tr.invoke(receiver_ids, program=average_with_received)
         tr.invoke(steered_ids, program=interlace.batched(lambda m: steer(m)))
     after = steps(compiled)
     assert after["pieces"] >= before["pieces"] + n - 1
@@ -156,7 +149,7 @@ def test_patching_with_recv_between_graph_pieces_beside_a_program_that_reads_no_
 
     patched = {oracle.layers[1]: patch}
     assert received.token_ids == oracle.greedy(receiver_ids, n, hooks=patched)
-    torch.testing.assert_close(received.saves["resid2"], oracle.run(receiver_ids + received.token_ids[:-1], patched)["resid"][2],
+    torch.testing.assert_close(received.saves["patched"], oracle.run(receiver_ids + received.token_ids[:-1], patched)["resid"][2],
                                atol=ATOL, rtol=ATOL)
     hooks = {oracle.layers[1]: lambda out: out + vector}
     assert steered.token_ids == oracle.greedy(steered_ids, n, hooks=hooks)

@@ -133,6 +133,18 @@ def program_steps(model) -> int:
     return rank["taps"]["programs"]
 
 
+def send_layer1(m):
+    """Patching across invokes: send this invoke's layer-1 stream (also tests/test_graphs.py)."""
+    m.send("r", m.layers[1].resid)
+
+
+def average_with_received(m):
+    """Average this invoke's layer-1 stream with the last row sent, then save layer 2's."""
+    r = m.layers[1].resid
+    r[:] = (r + m.recv("r")[-1:]) / 2
+    m.save("patched", m.layers[2].resid)
+
+
 def test_programs_run_at_the_taps_after_their_first_step_and_equal_the_hook_path(tapped, llama):
     """A program that reads and writes only taps (and logits) runs its first step with hooks and
     every later one at the taps, where a compiled engine runs it between CUDA-graph pieces: bit for
@@ -148,21 +160,13 @@ def test_programs_run_at_the_taps_after_their_first_step_and_equal_the_hook_path
 
     together = interlace.batched(lambda m: program(m))
 
-    def sender(m):
-        m.send("r", m.layers[1].resid)
-
-    def receiver(m):
-        r = m.layers[1].resid
-        r[:] = (r + m.recv("r")[-1:]) / 2
-        m.save("patched", m.layers[2].resid)
-
     def trace(model):
         with model.trace(max_tokens=6, ignore_eos=True) as tr:
             tr.invoke("The quick brown fox", program=together)
             tr.invoke("Hello there, my friend", program=together)
             tr.invoke("One two three", program=program)
-            tr.invoke("A sender", program=sender)
-            tr.invoke("A receiver", program=receiver)
+            tr.invoke("A sender", program=send_layer1)
+            tr.invoke("A receiver", program=average_with_received)
             tr.invoke("Ops beside", ops=[ops.save("layers.1.mlp.output"), ops.save("layers.2.resid", name="before"),
                                          ops.add("layers.2.resid", vector(22)), ops.save("layers.2.resid", name="after")])
         return tr.result
