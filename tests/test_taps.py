@@ -300,6 +300,25 @@ def test_ops_at_taps_apply_in_forwards_larger_than_any_captured_graph(compiled_t
     assert plain.token_ids == oracle.greedy(prompts[0], 2)
 
 
+def test_saves_in_a_prefill_wider_than_the_taps_saved_rows_equal_the_hook_path(tapped, llama):
+    """The taps keep fixed save rows only as wide as the largest captured graph (512 tokens here);
+    a 3 x 250-token prefill saves into rows of its own (Taps.wide), and every save, before and
+    after an edit, equals the hook path's bit for bit."""
+    prompts = [[3 + (7 * i + 31 * k) % 250 for i in range(250)] for k in range(3)]
+    oplists = [[ops.add("layers.1.resid", vector(17)), ops.save("layers.1.resid", name="after"),
+                ops.save("layers.2.resid"), ops.save("layers.2.self_attn.output")],
+               [ops.save("layers.1.resid", name="before"), ops.scale("layers.1.resid", 0.5, tokens="last")],
+               [ops.save("layers.2.resid", tokens="last")]]
+    results = []
+    for model in (tapped, llama):
+        with model.trace(max_tokens=3, ignore_eos=True) as tr:
+            for ids, oplist in zip(prompts, oplists):
+                tr.invoke(ids, ops=oplist)
+        results.append(tr.result)
+    assert results[0][0].saves["layers.2.resid"].shape[0] == 252  # the prefill's rows, then two steps
+    assert_same(*results)
+
+
 def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
     """A tap op called where no graph was captured (Taps._work) against the whole path, on this
     machine's device: a step that asks nothing passes values through and records nothing; one
@@ -356,6 +375,20 @@ def test_a_tap_called_outside_a_graph_does_what_its_step_asks_and_no_more():
     (out_hidden, out_residual), _ = step("", [], ops=second, epoch=101)
     assert torch.equal(out_hidden[:3], hidden[:3]) and torch.equal(out_residual[:3], residual[:3])
     assert not out_hidden[3].any() and not out_residual[3].any()
+    # a forward wider than the fixed save rows (the largest graph) saves into rows of its own,
+    # which the step's gather reads, and the next step lets go of
+    narrow = taps_module.Taps(["model.layers.1"], {("model.layers.1", "resid")}, HIDDEN, max_tokens=8,
+                              max_vectors=2, dtype=torch.float32, device=device, graph_rows=2)
+    assert narrow.saved.shape == (1, 2, HIDDEN)
+    save = SimpleNamespace(rows=np.array([1, 3], dtype=np.int64), op={"op": "save", "point": "layers.1.resid"},
+                           invokes=[SimpleNamespace(trace=1)], slots=np.array([0]), starts=np.array([0]), stops=np.array([2]))
+    narrow.fill({("model.layers.1", "resid"): [(SimpleNamespace(module="model.layers.1"), save)]}, {})
+    narrow.run(hidden.clone(), residual.clone(), 0)
+    [group] = narrow.save_groups([(SimpleNamespace(module="model.layers.1"), save)])
+    [rows] = group.gather(narrow)
+    assert torch.equal(rows, (hidden + residual)[[1, 3]]) and not narrow.saved.any()
+    narrow.clear()
+    assert narrow.wide == {}
 
 
 def _output_taps_match_transformers(model, oracle, atol: float) -> None:

@@ -153,7 +153,7 @@ class PointDispatcher:
             last = memo["tapped groups"] = (tapped, self.taps.save_groups(tapped))
         for group in last[1]:
             try:
-                values = group.gather(self.taps.saved)
+                values = group.gather(self.taps)
                 self.save_rows(group.invokes, group.slots, list(zip(group.names, values)), group.starts, group.stops,
                                fresh=True)
             except Exception as exc:  # noqa: BLE001

@@ -53,7 +53,8 @@ def register() -> None:
             try:
                 taps = install(model, specs if isinstance(specs, str) else list(specs),
                                max_tokens=scheduler.max_num_batched_tokens,
-                               max_vectors=2 * scheduler.max_num_seqs + 1, dtype=model_config.dtype)
+                               max_vectors=2 * scheduler.max_num_seqs + 1, dtype=model_config.dtype,
+                               graph_rows=_largest_graph(vllm_config.compilation_config))
             except (ValueError, TypeError) as exc:  # a refusal of the taps asked for, not a crash
                 tell_the_caller(exc)
                 raise
@@ -62,6 +63,12 @@ def register() -> None:
 
     load_model._interlace = True
     BaseModelLoader.load_model = load_model
+
+
+def _largest_graph(compilation) -> int:
+    """The most tokens a captured CUDA graph runs (the taps' fixed save rows); an engine that
+    captures none keeps as many, so that decode steps save without a new tensor per forward."""
+    return getattr(compilation, "max_cudagraph_capture_size", None) or 512
 
 
 def _break_full_graphs(taps, compilation) -> None:

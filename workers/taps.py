@@ -87,7 +87,7 @@ class Taps:
     """The tapped layers of one model and the device buffers their ops read."""
 
     def __init__(self, local: list[str], declared: set[tuple[str, str]], hidden_size: int, max_tokens: int,
-                 max_vectors: int, dtype: torch.dtype, device: torch.device):
+                 max_vectors: int, dtype: torch.dtype, device: torch.device, graph_rows: int | None = None):
         self.index = {name: i for i, name in enumerate(local)}  # this stage's tapped modules -> tap number
         self.modules = list(local)
         # Set by the interleaver for a step whose programs run at the taps (between graph pieces):
@@ -108,7 +108,14 @@ class Taps:
         self._clear[:, _MUL] = 1.0
         self._clear_rows(0, max_tokens)
         self.vectors = torch.zeros(max_vectors, hidden_size, dtype=dtype, device=device)  # row 0: zeros
-        self.saved = torch.zeros(len(local), max_tokens, hidden_size, dtype=dtype, device=device)
+        # Saves land in fixed rows only in forwards a graph captures: no more rows than the largest
+        # capture (512 tokens by default). A buffer of every tap x the scheduler's whole budget took
+        # 80 x 8,192 x 8,192 bf16 = 10 GiB per GPU at the 70B shape (taken from the KV cache), and a
+        # second engine beside plain vLLM found no memory left for its cache (four H200s, 2026-11-28).
+        # A wider forward runs the ops' Python every time, and saves into rows of its own (wide).
+        graph_rows = min(max_tokens, graph_rows or max_tokens)
+        self.saved = torch.zeros(len(local), graph_rows, hidden_size, dtype=dtype, device=device)
+        self.wide: dict[int, torch.Tensor] = {}  # tap number -> this step's saves, in a forward wider than saved
         self.ran = torch.zeros(len(local), dtype=torch.int64, device=device)  # forwards that ran each tap's ops
         self.hidden_size = hidden_size
         self._on_gpu = device.type == "cuda"
@@ -130,7 +137,7 @@ class Taps:
     def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> None:
         asked = self._work(hidden, index)
         if asked == _SAVES:  # the stream as the full path below computes it for rows it leaves alone
-            torch.add(hidden, residual, out=self.saved[index, : hidden.shape[0]])
+            torch.add(hidden, residual, out=self._saves_of(index, hidden.shape[0]))
             self.ran[index] += 1
         elif asked == _EDITS:
             keep, edit = self._apply(hidden + residual, index)
@@ -144,7 +151,7 @@ class Taps:
     def run_output(self, value: torch.Tensor, index: int) -> None:
         asked = self._work(value, index)
         if asked == _SAVES:
-            self.saved[index, : value.shape[0]].copy_(value)
+            self._saves_of(index, value.shape[0]).copy_(value)
             self.ran[index] += 1
         elif asked == _EDITS:
             keep, edit = self._apply(value, index)
@@ -201,9 +208,19 @@ class Taps:
                            (stream * control[:, _MUL, None] + vector).to(stream.dtype))
         keep = control[:, _EDITED, None] == 0
         after = torch.where(keep, stream, edit)
-        self.saved[index, :n].copy_(torch.where(control[:, _AFTER, None] != 0, after, stream))
+        self._saves_of(index, n).copy_(torch.where(control[:, _AFTER, None] != 0, after, stream))
         self.ran[index] += 1
         return keep, edit
+
+    def _saves_of(self, index: int, n: int) -> torch.Tensor:
+        """Where this forward's saves at tap ``index`` go: the fixed rows a graph captures, or in a
+        forward wider than any graph, rows of its own, kept until the next step's (fill, clear)."""
+        if n <= self.saved.shape[1]:
+            return self.saved[index, :n]
+        if self._on_gpu and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a graph of {n} tokens captured past the taps' {self.saved.shape[1]} saved rows")
+        wide = self.wide[index] = torch.empty(n, self.hidden_size, dtype=self.saved.dtype, device=self.saved.device)
+        return wide
 
     # --- on the host, per request ---------------------------------------------------------------
 
@@ -282,6 +299,7 @@ class Taps:
         them again, and only if another batch's rows were copied since (under pipeline
         parallelism vLLM's batches in flight take turns). Nothing here waits for the GPU: torch
         reuses a pinned block only once the copies from it have run."""
+        self.wide = {}
         step_ops = [step_op for at_hook in ops_by_hook.values() for _point, step_op in at_hook]
         staged = memo.get("tap rows")
         if staged is None or len(step_ops) != len(staged.step_ops) or not all(map(operator.is_, step_ops, staged.step_ops)):
@@ -321,7 +339,7 @@ class Taps:
 
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
-        self._asked, self._current = [_IDLE] * len(self._asked), None
+        self._asked, self._current, self.wide = [_IDLE] * len(self._asked), None, {}
         if self._dirty:
             self._clear_rows(0, self._dirty)
             self._dirty = 0
@@ -346,8 +364,8 @@ class _Staged:
 class TappedSaves:
     """Saves at several taps that select the same rows of the same invokes: one gather per step.
 
-    ``gather`` returns one fresh tensor per save (views of one [saves, rows, hidden] copy), in the
-    order given."""
+    ``gather`` returns one fresh tensor per save (views of one [saves, rows, hidden] copy, or in a
+    forward wider than any graph one copy per save), in the order given."""
 
     def __init__(self, members: list, taps: Taps):
         first = members[0][1]
@@ -355,12 +373,17 @@ class TappedSaves:
         self.names = [_name(step_op.op) for _point, step_op in members]
         self.where = ", ".join(sorted({str(point) for point, _step_op in members}))
         taps_of = np.array([taps.index[point.module] for point, _step_op in members], dtype=np.int64)
-        flat = (taps_of[:, None] * taps.max_tokens + first.rows[None, :]).reshape(-1)  # rows of saved as [taps*tokens, hidden]
+        self.taps_of = taps_of.tolist()
+        flat = (taps_of[:, None] * taps.saved.shape[1] + first.rows[None, :]).reshape(-1)  # rows of saved as [taps*tokens, hidden]
         self.index = device_index(torch.from_numpy(flat), taps.saved.device)  # a blocking copy would wait for the GPU
+        self.rows = device_index(torch.from_numpy(first.rows), taps.saved.device)  # of a wide forward's saves
         self.shape = (len(members), len(first.rows), taps.hidden_size)
 
-    def gather(self, saved: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, taps: Taps) -> list[torch.Tensor]:
         with torch.inference_mode(False):  # normal tensors, as the hook path's saves are
+            if taps.wide:
+                return [taps.wide[tap].index_select(0, self.rows) for tap in self.taps_of]
+            saved = taps.saved
             rows = saved.view(-1, saved.shape[-1]).index_select(0, self.index).view(self.shape)
         return list(rows.unbind(0))
 
@@ -369,7 +392,8 @@ def _name(op: dict) -> str:
     return op.get("name") or op["point"]
 
 
-def install(model: nn.Module, specs: list[str] | str, max_tokens: int, max_vectors: int, dtype: torch.dtype) -> Taps:
+def install(model: nn.Module, specs: list[str] | str, max_tokens: int, max_vectors: int, dtype: torch.dtype,
+            graph_rows: int | None = None) -> Taps:
     """Tap the points named by ``specs`` (``"layers.3.resid"``, ``"layers.3.mlp.output"``, or
     ``"resid"``/``"all"`` for every layer's) before vLLM compiles the model: each tapped module
     becomes an instance of a subclass whose forward ends in a tap op. Points another pipeline stage
@@ -387,7 +411,8 @@ def install(model: nn.Module, specs: list[str] | str, max_tokens: int, max_vecto
             declared.append(point)
     local = [(module, kind) for module, kind in declared if tree.modules.get(module) is not None]  # this stage's
     device = next(p for p in model.parameters() if p.is_floating_point()).device
-    taps = Taps([module for module, _kind in local], set(declared), hidden_size, max_tokens, max_vectors, dtype, device)
+    taps = Taps([module for module, _kind in local], set(declared), hidden_size, max_tokens, max_vectors, dtype, device,
+                graph_rows)
     for module, kind in local:
         tapped = tree.modules[module]
         tapped.__class__ = _tapped_class(type(tapped), kind)
