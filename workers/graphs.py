@@ -59,6 +59,7 @@ class GraphSwitch:
         # taps: graphs that ran ops (taps.py); pieces: programs at taps between graph pieces
         self.steps = {"graph": 0, "taps": 0, "pieces": 0, "eager": 0}
         self.pieces = False  # this step runs piecewise graphs, with programs at the taps between them
+        self.tapping = False  # this step runs ops in the graph taps (else a FULL graph may leave them idle)
         self.can_piece = splits_at_taps(runner.vllm_config.compilation_config)
         try:
             from vllm.ir import enable_torch_wrap
@@ -68,7 +69,7 @@ class GraphSwitch:
         broken = taps.broken if taps is not None else {}
         if manager is not None:
             for desc, graph in broken.items():  # steps whose programs run at the taps replay these
-                manager.graphs[desc] = EitherGraph(manager.graphs[desc], graph, self)
+                manager.graphs[desc] = EitherGraph(manager.graphs[desc], graph, taps.idle.get(desc), self)
             original = manager.dispatch
 
             @functools.wraps(original)
@@ -96,6 +97,7 @@ class GraphSwitch:
         """Before the runner's step: whether it must run eager, runs ops in graph taps, or runs
         piecewise graphs with programs at the taps between pieces."""
         self.eager, self.pieces, self.entered, self.seen = eager, pieces, False, "no call of the model's forward"
+        self.tapping = taps
         self.steps["eager" if eager else "pieces" if pieces else "taps" if taps else "graph"] += 1
 
     def running(self):

@@ -100,6 +100,10 @@ class Taps:
         self.breaks_graphs = False
         self.breaking = None
         self.broken: dict = {}
+        # FULL graphs captured with every tap idle (no kernel at all), for steps that ask nothing
+        # of the taps (tap_graphs.py): ``idling`` while they are captured, then by batch descriptor.
+        self.idling = False
+        self.idle: dict = {}
         self.declared = declared  # every stage's (module, kind): each stage decides alike from the same ops
         self.max_tokens = max_tokens
         shape = (max_tokens, len(local), 5)  # rows first: a step copies only its own rows
@@ -195,7 +199,7 @@ class Taps:
         if stream.shape[0] > self.max_tokens:
             return _IDLE
         if self._on_gpu and torch.cuda.is_current_stream_capturing():
-            return _EDITS
+            return _IDLE if self.idling else _EDITS
         return self._asked[index]
 
     def _apply(self, stream: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
