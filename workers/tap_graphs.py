@@ -53,6 +53,7 @@ def install(taps) -> None:
             logger.exception("interlace: capturing FULL graphs cut at the taps failed; steps whose programs run "
                              "at the taps use vLLM's piecewise graphs instead")
             taps.broken.clear()
+            taps.idle.clear()
 
     capture._interlace = True
     CudaGraphManager.capture = capture
