@@ -38,7 +38,8 @@ class InterlaceWorkerExtension:
     def interlace_step_counts(self) -> dict:
         """This rank's ``graph_steps``: on a compiled engine, the steps since start-up that replayed
         vLLM's graphs, ran ops in graph taps, ran programs at the taps between graph pieces, or ran
-        eager (those that intervened otherwise; None on an eager engine); and ``taps``: on an
+        eager (those that intervened otherwise; None on an eager engine), and of the graph steps
+        those that replayed FULL graphs with the taps idle (``graph_idle``); and ``taps``: on an
         engine with graph taps, the steps whose ops ran through them (``steps``), the steps whose
         programs ran at them (``programs``), and the forwards that ran each tap's ops (by module
         name; every graph replay does; None without taps); ``replays``: as :meth:`interlace_replays`."""

@@ -57,7 +57,8 @@ class GraphSwitch:
         self.entered = False  # and it did
         self.seen = ""  # what the step ran instead, for the error when it did not
         # taps: graphs that ran ops (taps.py); pieces: programs at taps between graph pieces
-        self.steps = {"graph": 0, "taps": 0, "pieces": 0, "eager": 0}
+        # graph_idle: of the graph steps, those that replayed a FULL graph with the taps idle (tap_graphs.py)
+        self.steps = {"graph": 0, "taps": 0, "pieces": 0, "eager": 0, "graph_idle": 0}
         self.pieces = False  # this step runs piecewise graphs, with programs at the taps between them
         self.tapping = False  # this step runs ops in the graph taps (else a FULL graph may leave them idle)
         self.can_piece = splits_at_taps(runner.vllm_config.compilation_config)

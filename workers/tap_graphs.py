@@ -94,7 +94,13 @@ class EitherGraph:
 
     def replay(self) -> None:
         switch = self.switch
-        (self.broken if switch.pieces else self.whole if switch.tapping or self.idle is None else self.idle).replay()
+        if switch.pieces:
+            self.broken.replay()
+        elif switch.tapping or self.idle is None:
+            self.whole.replay()
+        else:
+            switch.steps["graph_idle"] += 1
+            self.idle.replay()
 
     def __getattr__(self, name: str):  # anything else vLLM asks of a CUDAGraph
         return getattr(self.whole, name)
