@@ -10,6 +10,9 @@ of the pairs' ratios):
     overhead   a one-replica interlace.Cluster against the bare interlace.Model, both up side by
                side on the same device (GPU: the same GPU; CPU: the same core): cluster tok/s /
                Model tok/s, per case. Target on a GPU: >= 0.95.
+    plain      the same one-replica cluster against plain vLLM (no interlace, vllm.LLM with the
+               same settings) on the same device: cluster tok/s / plain tok/s, per case (plain
+               vLLM runs each case's prompts with no intervention: the cost of the whole path).
     scaling    a two-replica cluster: the trace split across both replicas against the same trace
                kept whole on one of them (min_shard_invokes past N). Target: >= 1.9x with one GPU
                per replica; on a machine with one GPU the two replicas share it (half a GPU each),
@@ -24,8 +27,11 @@ Every cluster trace also prints where its time went on the driver (``driver_phas
 from its start for building the invokes, submit, each shard's round trip to its replica, the
 collector's take and the assembly), to find what does not shrink with a second replica.
 
+Engines run as interlace starts them by default: compiled with CUDA graphs and the default graph
+taps on a GPU (plain vLLM with its own graphs), eager on a CPU.
+
 Usage: python bench/cluster_bench.py [--n 256] [--in 128] [--out 128] [--repeats 3] [--shape 1b]
-       [--phases overhead,scaling,throughput]
+       [--phases overhead,plain,scaling,throughput]
 GPU machines: bash bench/gpu_session.sh python3 bench/cluster_bench.py
 """
 
@@ -39,7 +45,7 @@ import statistics
 import time
 
 import shapes
-from runner_bench import config, interlace_cases, prompts
+from runner_bench import config, interlace_cases, plain_engine, prompts, run_plain
 
 
 class DriverPhases:
@@ -167,7 +173,7 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs per phase")
     shapes.add_argument(parser)
-    parser.add_argument("--phases", default="overhead,scaling,throughput")
+    parser.add_argument("--phases", default="overhead,plain,scaling,throughput")
     args = parser.parse_args()
     args.tp = args.pp = 1
 
@@ -179,7 +185,11 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     if not gpus:
         os.environ["INTERLACE_CPU_CORES"] = "0"  # the bare Model on the core the one-replica cluster gets
+    args.graphs = gpus > 0  # interlace's default: compiled with graph taps on a GPU, eager on a CPU
     cfg = config(args)
+    phases = args.phases.split(",")
+    if gpus and "plain" in phases and "overhead" in phases:  # three engines share the GPU for a while
+        cfg = cfg.model_copy(update={"engine_args": {**cfg.engine_args, "gpu_memory_utilization": 0.28}})
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     global PHASES
     PHASES = DriverPhases()
@@ -192,17 +202,26 @@ def main() -> None:
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     case = cases["ops-save4"]
     fresh = lambda: prompts(args.n, args.inp, vocab, seed=next(seeds))  # noqa: E731
-    phases = args.phases.split(",")
 
-    if "overhead" in phases:
+    if "overhead" in phases or "plain" in phases:
         one = interlace.Cluster(cluster_config(cfg, 1, gpus))
         run_trace(model, fresh(), args.out, case)  # warm-ups at full size
         run_trace(one, fresh(), args.out, case)
-        for name in ("none", "ops-save4"):
+        for name in ("none", "ops-save4") if "overhead" in phases else ():
             results.append(paired(f"overhead {name}", {
                 "model": lambda d, c=cases[name]: run_trace(model, d, args.out, c),
                 "cluster-1": lambda d, c=cases[name]: run_trace(one, d, args.out, c)},
                 fresh, args.repeats) | {"where": placement(gpus, 1)})
+        if "plain" in phases:
+            model.close()  # on a CPU, plain vLLM takes the bare Model's core
+            plain = plain_engine(cfg)
+            run_plain(plain, fresh(), args.out)
+            for name in ("none", "ops-save4"):
+                results.append(paired(f"plain {name}", {
+                    "vllm": lambda d: run_plain(plain, d, args.out),
+                    "cluster-1": lambda d, c=cases[name]: run_trace(one, d, args.out, c)},
+                    fresh, args.repeats) | {"where": placement(gpus, 1)})
+            plain.llm_engine.engine_core.shutdown()
         one.close()
     model.close()
 

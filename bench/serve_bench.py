@@ -6,7 +6,9 @@ with the client's own steering vector (``ops.add`` at the middle layer, every st
 the last token's residual at the last layer (``ops.save``, every step). Llama-3.2-1B shape with
 random bf16 weights (``--shape 1b|8b|70b``, bench/shapes.py), or ``--shape tiny``: the bundled tiny Llama (CPU).
 
-Both sides are up at the same time on the same device, in one local Ray: a one-replica
+Both sides are up at the same time on the same device, in one local Ray, started as interlace
+starts engines by default (compiled with CUDA graphs and the default graph taps on a GPU, eager on
+a CPU): a one-replica
 ``interlace.Cluster`` and the Serve application (one engine replica behind the HTTP ingress),
 called through ``interlace.connect(url, token=...)``. On a GPU each engine takes 0.4 of it
 (``gpu_memory_utilization`` 0.35); on CPU both engines are bound to core 0. Two phases, each paired
@@ -421,6 +423,7 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     if not gpus:
         os.environ["INTERLACE_CPU_CORES"] = "0"  # both engines on one core: the same device for both sides
+    args.graphs = gpus > 0  # interlace's default: compiled with graph taps on a GPU, eager on a CPU
     cfg = config(args)
     # Each side takes 0.4 of the GPU; on CPU one core's bundle each (both bound to core 0 above).
     resources = ResourcesConfig(num_cpus=1, num_gpus=0.4) if gpus else ResourcesConfig(num_cpus=1)

@@ -15,9 +15,11 @@ from interlace.cluster.config import ClusterConfig, ModelConfig
 from test_parallel import EXECUTOR
 from test_preemption import _ids, check_messages, check_steering
 
-# (tp, pp) -> KV bytes per rank: 5 blocks of 128 tokens, as the one-rank small cache (2 KiB per
-# token per rank at TP=2, whose one KV head every rank keeps; 1 KiB at PP=2, two layers a rank).
-LAYOUTS = {"tp2": ((2, 1), 5 * 256 * 1024), "pp2": ((1, 2), 5 * 128 * 1024)}
+# (tp, pp) -> KV bytes per rank: 7 blocks of 128 tokens (2 KiB per token per rank at TP=2, whose one
+# KV head every rank keeps; 1 KiB at PP=2, two layers a rank). check_messages's four invokes need 8
+# blocks by their last steps, so 7 still preempts them; more room means fewer steps, and a TP=2
+# step takes about 90 ms on two cores (check_steering at TP=2: 113 s with 5 blocks, 89 s with 7).
+LAYOUTS = {"tp2": ((2, 1), 7 * 256 * 1024), "pp2": ((1, 2), 7 * 128 * 1024)}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.ranks(2)) for name in LAYOUTS])
