@@ -15,7 +15,8 @@ log: not to a notebook, nor to a Ray driver's exception). The refusal is also wr
 ``INTERLACE_LOAD_ERRORS`` names, which the caller (``interlace.cluster.engine``) raises from.
 
 On a CPU it also lets vLLM's engine core process fork its workers (see
-:func:`_fork_workers_from_the_engine_core`); on a GPU it keeps a float32 model's attention in
+:func:`_fork_workers_from_the_engine_core`); the engine core skips the collection of its whole
+heap as it exits (:func:`_exit_without_collecting`); on a GPU it keeps a float32 model's attention in
 float32 (:func:`float32_dots_in_float32`).
 """
 
@@ -33,6 +34,7 @@ LOAD_ERRORS_ENV = "INTERLACE_LOAD_ERRORS"
 def register() -> None:
     """The entry point (loaded in every vLLM process, possibly more than once)."""
     _fork_workers_from_the_engine_core()
+    _exit_without_collecting()
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     original = BaseModelLoader.load_model
@@ -121,6 +123,29 @@ def _fork_workers_from_the_engine_core() -> None:
 
         if current_platform.is_cpu():
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+
+def _exit_without_collecting() -> None:
+    """In vLLM's engine core process: freeze the heap as the process exits, so the interpreter's
+    final garbage collection has nothing to walk.
+
+    An engine's shutdown waits for its engine core to exit, and that process spent 2 of the 3.3 s of
+    closing a CPU engine in that collection (``gc_collect_main``, after vLLM's own teardown had
+    finished; 2-core machine, 2026-11-28), for every engine a test suite or a notebook closes. At
+    exit nothing needs it: refcounting still frees what it frees and runs those finalizers, and
+    the operating system takes back the rest. Registered first, the hook runs after every other
+    exit hook (they run last-registered first)."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("EngineCore") and not _exit_without_collecting.done:
+        import atexit
+        import gc
+
+        atexit.register(gc.freeze)
+        _exit_without_collecting.done = True
+
+
+_exit_without_collecting.done = False
 
 
 def tell_the_caller(exc: BaseException) -> None:
