@@ -21,6 +21,11 @@ figure is the median of the pairs' ratios, endpoint / cluster):
              ``tokens`` event). The cluster handle does not stream: its column is its time to
              result, which is what a cluster user waits for the first token.
 
+    vllm     the endpoint's blocking trace API against plain vLLM (an ``AsyncLLM`` with the same
+             settings, no interlace, in this process, driven by the same client threads, each
+             request without interventions): what the whole path costs a user against vLLM
+             as they run it. On a GPU the three engines then take 0.28 of it each.
+
 Target on a GPU at 64 clients: the endpoint's requests per second within 10 % of the cluster's.
 
 Before the timed pairs: one warm-up round per phase and side at full concurrency
@@ -41,7 +46,7 @@ rates of bench/results/2026-11-25-h100-serve-bench.log about 65 s and 200 s, aga
 run cut off at 570 s had left after its engine starts; nothing says where that run was.)
 
 Usage: python bench/serve_bench.py [--clients 64] [--traces 4] [--in 128] [--out 128] [--repeats 3]
-       [--shape 1b] [--phases plain,stream] [--warmup-traces 1] [--check-clients 4]
+       [--shape 1b] [--phases plain,stream,vllm] [--warmup-traces 1] [--check-clients 4]
        [--request-timeout-s 120] [--budget-s SECONDS] [--progress-s 10]
 GPU machines: bash bench/gpu_session.sh python3 bench/serve_bench.py
 """
@@ -162,6 +167,65 @@ def streamed(remote, out: int):
             raise RuntimeError("the stream ended without a 'result' event")
         return first, done, result
     return one
+
+
+class PlainVLLM:
+    """Plain vLLM for the ``vllm`` phase: an ``AsyncLLM`` with the model's settings and no
+    interlace, its event loop on a thread of its own, so the bench's client threads call it as
+    they call the other sides."""
+
+    def __init__(self, cfg):
+        import asyncio
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from interlace.cluster.engine import engine_args, prepare_environment
+
+        prepare_environment(cfg)
+        kwargs = engine_args(cfg.model_copy(update={"graph_taps": []}))  # vLLM's own compilation settings
+        kwargs.pop("worker_extension_cls")
+        kwargs.pop("scheduler_cls")
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="plain-vllm-loop", daemon=True).start()
+
+        async def start():
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
+
+        self.engine = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self.ids = itertools.count()
+
+    def one(self, out: int):
+        """One request (its ops are not vLLM's: it runs without them): (first token, result) in s."""
+        import asyncio
+
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)
+
+        async def generate(prompt: list[int]):
+            started, first, last = time.perf_counter(), None, None
+            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, f"plain-{next(self.ids)}"):
+                if first is None and output.outputs[0].token_ids:
+                    first = time.perf_counter() - started
+                last = output
+            return first, time.perf_counter() - started, [last.outputs[0]]
+
+        def run(prompt: list[int], case: list[dict]):
+            return asyncio.run_coroutine_threadsafe(generate(prompt), self.loop).result()
+        return run
+
+    def close(self) -> None:
+        """Shut the engine down on its own loop (its output task ends there, not as a dead engine)."""
+        import asyncio
+
+        async def shutdown():
+            self.engine.shutdown()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result()
+        self.engine = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class Side:
@@ -303,16 +367,18 @@ class Collected:
 
     def __init__(self, phases: list[str], repeats: int):
         self.phases, self.repeats = phases, repeats
-        self.rounds: dict[str, dict[str, list[dict]]] = {p: {"cluster": [], "endpoint": []} for p in phases}
+        self.rounds: dict[str, dict[str, list[dict]]] = {p: {} for p in phases}  # phase -> side -> rounds
+        self.base = {p: "vllm" if p == "vllm" else "cluster" for p in phases}  # the ratio's denominator
         self.ratios: dict[str, list[float]] = {p: [] for p in phases}
 
     def summary(self, phase: str) -> dict | None:
         ratios, rounds = self.ratios[phase], self.rounds[phase]
         if not ratios:
             return None
-        out = {"phase": phase, "pairs": len(ratios), "ratio": statistics.median(ratios), "min": min(ratios),
-               "max": max(ratios)}
+        out = {"phase": phase, "base": self.base[phase], "pairs": len(ratios), "ratio": statistics.median(ratios),
+               "min": min(ratios), "max": max(ratios)}
         for side, timed in rounds.items():
+            side = "base" if side == self.base[phase] else side
             out[f"{side}_req_s"] = statistics.median(t["req_s"] for t in timed)
             out[f"{side}_tok_s"] = statistics.median(t["tok_s"] for t in timed)
             for key in ("first", "done"):
@@ -323,15 +389,15 @@ class Collected:
 
 
 def paired(phase: str, sides: dict[str, Side], data_for, cases, args, collected: Collected) -> None:
-    """Alternate cluster and endpoint over ``repeats`` rounds on fresh prompts; ratios endpoint /
-    cluster, kept in ``collected`` as each pair completes."""
+    """Alternate the phase's two sides over ``repeats`` rounds on fresh prompts; ratios endpoint /
+    the other side (the cluster, or plain vLLM), kept in ``collected`` as each pair completes."""
     for round_ in range(args.repeats):
         data = data_for()
         order = list(sides.items())[:: 1 if round_ % 2 == 0 else -1]
         timed = {name: run_round(side, data, cases, f"{phase} round {round_} {name}", args) for name, side in order}
         for name, t in timed.items():
-            collected.rounds[phase][name].append(t)
-        collected.ratios[phase].append(timed["endpoint"]["req_s"] / timed["cluster"]["req_s"])
+            collected.rounds[phase].setdefault(name, []).append(t)
+        collected.ratios[phase].append(timed["endpoint"]["req_s"] / timed[collected.base[phase]]["req_s"])
         print(json.dumps({"phase": phase, "round": round_, "first": order[0][0],
                           **{f"{name}_req_s": round(t["req_s"], 2) for name, t in timed.items()},
                           **{f"{name}_first_p50_s": round(statistics.median(t["first"]), 4) for name, t in timed.items()},
@@ -368,9 +434,9 @@ def print_table(args, cfg, device: str, collected: Collected, check: tuple[int, 
     print(f"\n{args.clients} clients x {args.traces} traces per round, one invoke each: {args.inp} in / "
           f"{args.out} out, own steering vector + last-token save; {cfg.name} ({cfg.dtype}), {device}; "
           f"{args.repeats} pairs per phase asked; results equal on both sides: {checked}", flush=True)
-    print(f"{'phase':7} {'pairs':>5} {'cluster req/s':>13} {'endpoint req/s':>14} {'ratio':>6} {'min':>5} {'max':>5} "
-          f"{'overhead':>8}  {'cluster result s':>16}  {'endpoint 1st token s':>20}  {'endpoint result s':>17}")
-    print(f"{'':7} {'':>5} {'':>13} {'':>14} {'':>6} {'':>5} {'':>5} {'':>8}  {'p50 / p90':>16}  {'p50 / p90':>20}  "
+    print(f"{'phase':7} {'pairs':>5} {'base':>7} {'base req/s':>10} {'endpoint req/s':>14} {'ratio':>6} {'min':>5} "
+          f"{'max':>5} {'overhead':>8}  {'base result s':>16}  {'endpoint 1st token s':>20}  {'endpoint result s':>17}")
+    print(f"{'':7} {'':>5} {'':>7} {'':>10} {'':>14} {'':>6} {'':>5} {'':>5} {'':>8}  {'p50 / p90':>16}  {'p50 / p90':>20}  "
           f"{'p50 / p90':>17}")
     for phase in collected.phases:
         r = collected.summary(phase)
@@ -379,10 +445,11 @@ def print_table(args, cfg, device: str, collected: Collected, check: tuple[int, 
             continue
         span = lambda key: f"{r[key + '_p50']:.3f} / {r[key + '_p90']:.3f}"  # noqa: E731
         first = span("endpoint_first") if r["phase"] == "stream" else "not streamed"
-        print(f"{r['phase']:7} {r['pairs']:5d} {r['cluster_req_s']:13.2f} {r['endpoint_req_s']:14.2f} {r['ratio']:6.2f} "
-              f"{r['min']:5.2f} {r['max']:5.2f} {1 - r['ratio']:8.1%}  {span('cluster_done'):>16}  {first:>20}  "
-              f"{span('endpoint_done'):>17}")
-    print("The cluster handle does not stream: its first token arrives with its result (time to result).", flush=True)
+        print(f"{r['phase']:7} {r['pairs']:5d} {r['base']:>7} {r['base_req_s']:10.2f} {r['endpoint_req_s']:14.2f} "
+              f"{r['ratio']:6.2f} {r['min']:5.2f} {r['max']:5.2f} {1 - r['ratio']:8.1%}  {span('base_done'):>16}  "
+              f"{first:>20}  {span('endpoint_done'):>17}")
+    print("The cluster handle does not stream: its first token arrives with its result (time to result). Plain "
+          "vLLM runs the same requests without their ops.", flush=True)
 
 
 def main() -> None:
@@ -425,15 +492,18 @@ def main() -> None:
         os.environ["INTERLACE_CPU_CORES"] = "0"  # both engines on one core: the same device for both sides
     args.graphs = gpus > 0  # interlace's default: compiled with graph taps on a GPU, eager on a CPU
     cfg = config(args)
-    # Each side takes 0.4 of the GPU; on CPU one core's bundle each (both bound to core 0 above).
-    resources = ResourcesConfig(num_cpus=1, num_gpus=0.4) if gpus else ResourcesConfig(num_cpus=1)
+    phases = args.phases.split(",")
+    share = 0.3 if "vllm" in phases else 0.4  # of the GPU, per engine (a third engine: plain vLLM)
+    if gpus and "vllm" in phases:
+        cfg = cfg.model_copy(update={"engine_args": {**cfg.engine_args, "gpu_memory_utilization": 0.28}})
+    # Each side takes its share of the GPU; on CPU one core's bundle each (both bound to core 0 above).
+    resources = ResourcesConfig(num_cpus=1, num_gpus=share) if gpus else ResourcesConfig(num_cpus=1)
     cluster_cfg = ClusterConfig(model=cfg, replicas=1, resources=resources, max_in_flight=args.clients)
     token = secrets.token_urlsafe(24)  # a fresh ops-role token, for this run only
     os.environ[TOKEN_ENV] = json.dumps({"tokens": [{"name": "bench", "token": token, "role": "ops"}]})
     serve_cfg = ServeConfig(cluster=cluster_cfg, port=free_port(), ingress_replicas=args.ingress_replicas,
                             limits=LimitsConfig(max_trace_s=3600, max_in_flight_per_token=args.clients))
     device = torch.cuda.get_device_name(0) if gpus else "CPU (both engines on core 0)"
-    phases = args.phases.split(",")
     collected = Collected(phases, args.repeats)
     check = None
     code = 0
@@ -444,7 +514,7 @@ def main() -> None:
         raise Stop("signal", f"signal {signum} received")
 
     signal.signal(signal.SIGTERM, on_signal)  # a command limit's kill: say where it was, then stop
-    cluster = remote = None
+    cluster = remote = plain = None
     try:
         try:
             log("cluster: starting a one-replica interlace.Cluster")
@@ -475,6 +545,11 @@ def main() -> None:
                                "endpoint": Side("endpoint", blocking(remote, args.out), diagnose_endpoint)},
                      "stream": {"cluster": cluster_side,
                                 "endpoint": Side("endpoint", streamed(remote, args.out), diagnose_endpoint)}}
+            if "vllm" in phases:
+                log("plain vLLM: starting an AsyncLLM with the same settings")
+                plain = PlainVLLM(cfg)
+                sides["vllm"] = {"vllm": Side("vllm", plain.one(args.out), lambda: "plain vLLM: no state to report"),
+                                 "endpoint": sides["plain"]["endpoint"]}
             warm = fresh(max(1, args.warmup_traces))  # warm-ups at full concurrency
             for phase in phases:
                 for name, side in sides[phase].items():
@@ -482,7 +557,8 @@ def main() -> None:
                     print(json.dumps({"warmup": phase, "side": name, "req_s": round(t["req_s"], 2),
                                       "done_p50_s": round(statistics.median(t["done"]), 4)}), flush=True)
             if args.check_clients > 0:
-                check = same_results(cluster_side, sides[phases[-1]]["endpoint"], warm, cases, args)
+                checked_on = [p for p in phases if p != "vllm"] or ["plain"]  # the endpoint's API of the last such phase
+                check = same_results(cluster_side, sides[checked_on[-1]]["endpoint"], warm, cases, args)
                 print(json.dumps({"same_results": check[0], "clients_checked": check[1]}), flush=True)
             for phase in phases:
                 log(f"phase {phase}: start, {args.repeats} pairs")
@@ -503,6 +579,8 @@ def main() -> None:
         log("shutting down")
         if remote is not None:
             remote.close()
+        if plain is not None:
+            plain.close()
         from ray import serve
 
         serve.shutdown()
