@@ -70,17 +70,23 @@ def config(args):
     return shapes.model_config(args, **engine_args).model_copy(update=update)
 
 
-def plain_engine(cfg):
-    """vLLM with the same settings and no interlace at all (no worker extension, its scheduler)."""
-    from vllm import LLM
-
+def plain_engine_args(cfg) -> dict:
+    """vLLM's keyword arguments for ``cfg`` with no interlace at all (no worker extension, vLLM's
+    own scheduler and compilation settings), the process environment prepared as for interlace."""
     from interlace.cluster.engine import engine_args, prepare_environment
 
     prepare_environment(cfg)
-    kwargs = engine_args(cfg.model_copy(update={"graph_taps": []}))  # vLLM's own compilation settings
+    kwargs = engine_args(cfg.model_copy(update={"graph_taps": []}))
     kwargs.pop("worker_extension_cls")
     kwargs.pop("scheduler_cls")
-    return LLM(**kwargs)
+    return kwargs
+
+
+def plain_engine(cfg):
+    """vLLM with the same settings and no interlace at all."""
+    from vllm import LLM
+
+    return LLM(**plain_engine_args(cfg))
 
 
 def case_layers(layers: int) -> tuple[list[int], int]:

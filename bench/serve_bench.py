@@ -68,7 +68,7 @@ import time
 import traceback
 
 import shapes
-from runner_bench import config, prompts
+from runner_bench import config, plain_engine_args, prompts
 
 TOKEN_ENV = "INTERLACE_API_TOKENS"
 CLEANUP_S = 60.0  # the shutdown after a stop (a stuck request, the budget) is cut off past this
@@ -181,12 +181,7 @@ class PlainVLLM:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from interlace.cluster.engine import engine_args, prepare_environment
-
-        prepare_environment(cfg)
-        kwargs = engine_args(cfg.model_copy(update={"graph_taps": []}))  # vLLM's own compilation settings
-        kwargs.pop("worker_extension_cls")
-        kwargs.pop("scheduler_cls")
+        kwargs = plain_engine_args(cfg)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="plain-vllm-loop", daemon=True).start()
 

@@ -133,19 +133,16 @@ def _exit_without_collecting() -> None:
     closing a CPU engine in that collection (``gc_collect_main``, after vLLM's own teardown had
     finished; 2-core machine, 2026-11-28), for every engine a test suite or a notebook closes. At
     exit nothing needs it: refcounting still frees what it frees and runs those finalizers, and
-    the operating system takes back the rest. Registered first, the hook runs after every other
-    exit hook (they run last-registered first)."""
+    the operating system takes back the rest. (vLLM freezes the heap after start-up, and its
+    teardown unfreezes it so that an engine run in-process can be freed.) Registered first, the
+    hook runs after every other exit hook; registered twice, it freezes twice, at no cost."""
     import multiprocessing
 
-    if multiprocessing.current_process().name.startswith("EngineCore") and not _exit_without_collecting.done:
+    if multiprocessing.current_process().name.startswith("EngineCore"):
         import atexit
         import gc
 
         atexit.register(gc.freeze)
-        _exit_without_collecting.done = True
-
-
-_exit_without_collecting.done = False
 
 
 def tell_the_caller(exc: BaseException) -> None:
