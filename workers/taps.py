@@ -123,6 +123,12 @@ class Taps:
         self.ran = torch.zeros(len(local), dtype=torch.int64, device=device)  # forwards that ran each tap's ops
         self.hidden_size = hidden_size
         self._on_gpu = device.type == "cuda"
+        # On a GPU each tap call is one kernel (tap_kernels.py) that reads what the step asks of its
+        # tap from ``asked`` (set with the control rows), so a graph replayed for ops at a few taps
+        # pays one launch, and no work, at each of the others.
+        self.asked = torch.zeros(len(local), dtype=torch.int32, device=device)
+        self._asked_on_device = False  # some entry of self.asked may be set
+        self.kernel = _tap_kernel() if self._on_gpu else None
         self._dirty = 0  # rows of self.control that may hold a step's settings
         self._current: _Staged | None = None  # the staged rows self.control holds
         self._asked = [_IDLE] * len(local)  # what this step asks of each tap (a forward no graph captures reads it)
@@ -140,7 +146,10 @@ class Taps:
 
     def run(self, hidden: torch.Tensor, residual: torch.Tensor, index: int) -> None:
         asked = self._work(hidden, index)
-        if asked == _SAVES:  # the stream as the full path below computes it for rows it leaves alone
+        if asked != _IDLE and self.kernel is not None and self.kernel.usable(hidden, residual):
+            self.kernel.run(hidden, residual, self.control, index, self.asked, self.vectors,
+                            self._saves_of(index, hidden.shape[0]), self.ran)
+        elif asked == _SAVES:  # the stream as the full path below computes it for rows it leaves alone
             torch.add(hidden, residual, out=self._saves_of(index, hidden.shape[0]))
             self.ran[index] += 1
         elif asked == _EDITS:
@@ -154,7 +163,10 @@ class Taps:
 
     def run_output(self, value: torch.Tensor, index: int) -> None:
         asked = self._work(value, index)
-        if asked == _SAVES:
+        if asked != _IDLE and self.kernel is not None and self.kernel.usable(value):
+            self.kernel.run(value, None, self.control, index, self.asked, self.vectors,
+                            self._saves_of(index, value.shape[0]), self.ran)
+        elif asked == _SAVES:
             self._saves_of(index, value.shape[0]).copy_(value)
             self.ran[index] += 1
         elif asked == _EDITS:
@@ -313,6 +325,8 @@ class Taps:
             return  # the device rows are these already (one batch decoding)
         if staged.used:
             self.control[: staged.used].copy_(staged.rows, non_blocking=True)
+        self.asked.copy_(staged.asked_rows, non_blocking=True)
+        self._asked_on_device = True
         if self._dirty > staged.used:  # the last step's rows past this one's
             self._clear_rows(staged.used, self._dirty)
         self._dirty, self._current = staged.used, staged
@@ -339,11 +353,15 @@ class Taps:
                 elif kind in ("add", "replace"):
                     host[rows_of, index, _ROW] = self._vector_rows[op["key"]][0]
                 host[rows_of, index, _SETS] = 1.0 if kind in ("replace", "zero") else 0.0
-        return _Staged(step_ops, rows, used, asked)
+        asked_rows = torch.tensor(asked, dtype=torch.int32).pin_memory() if self._on_gpu else torch.tensor(asked, dtype=torch.int32)
+        return _Staged(step_ops, rows, used, asked, asked_rows)
 
     def clear(self) -> None:
         """Before a step without tapped ops: no row keeps the last one's settings."""
         self._asked, self._current, self.wide = [_IDLE] * len(self._asked), None, {}
+        if self._asked_on_device:
+            self.asked.zero_()
+            self._asked_on_device = False
         if self._dirty:
             self._clear_rows(0, self._dirty)
             self._dirty = 0
@@ -363,6 +381,7 @@ class _Staged:
     rows: torch.Tensor  # [used, taps, 5]
     used: int  # rows 0..used-1 of the step's flat batch (every later row is clear)
     asked: list[int]  # what the step asks of each tap
+    asked_rows: torch.Tensor  # the same on the host for Taps.asked (pinned on a GPU)
 
 
 class TappedSaves:
@@ -390,6 +409,15 @@ class TappedSaves:
             saved = taps.saved
             rows = saved.view(-1, saved.shape[-1]).index_select(0, self.index).view(self.shape)
         return list(rows.unbind(0))
+
+
+def _tap_kernel():
+    """tap_kernels (Triton), where this process can import it; else None (the torch path)."""
+    try:
+        from interlace.workers import tap_kernels
+    except ImportError:
+        return None
+    return tap_kernels
 
 
 def _name(op: dict) -> str:
