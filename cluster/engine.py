@@ -33,7 +33,8 @@ from typing import Any
 
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
-from interlace.workers.plugin import LOAD_ERRORS_ENV, SPLITTING_OPS, TAPS_KEY
+from interlace.cluster.placement import CPU_RANK
+from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, SPLITTING_OPS, TAPS_KEY
 
 WORKER_EXTENSION = "interlace.workers.extension.InterlaceWorkerExtension"
 SCHEDULER = "interlace.workers.scheduler.make_scheduler"  # a trace's invokes share a step
@@ -310,14 +311,34 @@ async def start_async_engine(cfg: ModelConfig, **overrides: Any):
     # scheduler's small defaults (128 sequences: a 256-invoke trace ran in two waves, 0.55x of Model
     # on an H100).
     latest: dict[str, Any] = {}
-    args = AsyncEngineArgs(**engine_args(cfg, **overrides))
+    kwargs = engine_args(cfg, **overrides)
+    if kwargs.get("distributed_executor_backend") == "ray" and settings.device() == "cpu":
+        os.environ[CPU_RAY_ENV] = CPU_RANK  # this process's and its engine core's plugin (workers/plugin.py)
+    args = AsyncEngineArgs(**kwargs)
     with load_refusals_raised():
-        engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS,
+        # In a Ray actor vLLM takes the actor's placement group (a spread replica's bundles,
+        # cluster/placement.py) and runtime environment for its Ray workers.
+        vllm_config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
+        if kwargs.get("distributed_executor_backend") == "ray" and settings.device() == "cpu":
+            _cpu_ranks_on_ray(vllm_config.parallel_config)
+        engine = AsyncLLM.from_vllm_config(vllm_config, usage_context=UsageContext.LLM_CLASS,
                                            stat_loggers=[_stats_keeper(latest)])
     engine.interlace_latest_stats = latest  # {"scheduler": SchedulerStats}: KV-cache use for metrics
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))
     return engine
+
+
+def _cpu_ranks_on_ray(parallel: Any) -> None:
+    """vLLM's Ray workers on a CPU: the job its engine core starts runs interlace's setup hook in
+    every worker (they ask for their devices before vLLM loads plugins) with the rank resource
+    set (workers/plugin.py)."""
+    from ray.runtime_env import RuntimeEnv
+
+    env = dict(parallel.ray_runtime_env or {})
+    env["env_vars"] = {**env.get("env_vars", {}), CPU_RAY_ENV: CPU_RANK}
+    env["worker_process_setup_hook"] = "interlace.workers.plugin.ray_worker_setup"
+    parallel.ray_runtime_env = RuntimeEnv(**env)
 
 
 def _stats_keeper(latest: dict):

@@ -9,11 +9,18 @@ takes the GPUs whole. On CPU the same code runs with CPUs in the bundle (the ran
 see :func:`interlace.cluster.engine.prepare_environment`), so the CPU tests run the very placement
 a GPU cluster runs.
 
-A replica larger than one node (a pipeline across machines, vLLM's Ray executor) is not supported:
-its workers' reports are read from a node-local folder. :func:`check_fits_a_node` refuses such a
-replica on a local Ray before anything waits for resources no node has (a placement group that
-cannot be placed waits forever), and warns on a joined cluster, where an autoscaler may add one;
-:func:`check_replicas_fit` does the same for all of a cluster's replicas together.
+A cluster replica that no node can hold is *spread* (:func:`replica_bundles`): a bundle per rank,
+packed onto as few nodes as Ray can (``PACK``), its ranks started by vLLM's Ray executor in those
+bundles (the hosting actor sits in bundle 0, so the engine core and rank 0 share its node). Ranks
+on other nodes send their reports to the hosting actor through Ray (workers/sink.py, ``ray:``): no
+file system is shared between nodes. On a CPU each rank's bundle also takes one unit of the custom
+resource ``interlace_cpu_rank``, which vLLM's Ray executor places ranks by
+(``ray start --resources '{"interlace_cpu_rank": 1}'``; a GPU rank takes its GPU).
+:func:`check_fits_the_cluster` refuses a replica the whole cluster cannot hold, on a local Ray,
+before anything waits for resources no node has (a placement group that cannot be placed waits
+forever), and warns on a joined cluster, where an autoscaler may add nodes. Serve and sweeps place
+replicas on one node still (:func:`check_fits_a_node`); :func:`check_replicas_fit` checks all of
+a cluster's one-node replicas together.
 
     >>> from interlace.cluster.config import ClusterConfig
     >>> cfg = ClusterConfig.load("tiny-llama-2")
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
 # The hosting actor's own CPU: a sliver of the bundle (its ranks use the bundle's compute). Ray
 # sets an actor's OMP_NUM_THREADS from its CPUs; the engine's ranks set their own threads.
 HOST_CPUS = 0.01
+CPU_RANK = "interlace_cpu_rank"  # on a CPU, what vLLM's Ray executor places a spread replica's ranks by
 
 
 def replica_bundle(cluster: "ClusterConfig") -> dict[str, float]:
@@ -53,10 +61,82 @@ def replica_bundle(cluster: "ClusterConfig") -> dict[str, float]:
     return {name: amount for name, amount in bundle.items() if amount}
 
 
-def host_actor_options(cluster: "ClusterConfig") -> dict[str, Any]:
+def rank_bundle(cluster: "ClusterConfig") -> dict[str, float]:
+    """One rank's bundle of a spread replica (see :func:`replica_bundles`)."""
+    from interlace.core import settings
+
+    res = cluster.resources
+    bundle = {"CPU": res.num_cpus, "GPU": float(res.num_gpus), **res.custom}
+    if settings.device() == "cpu":
+        bundle[CPU_RANK] = 1.0
+    if res.accelerator_type:
+        bundle[f"accelerator_type:{res.accelerator_type}"] = 0.001
+    return {name: amount for name, amount in bundle.items() if amount}
+
+
+def replica_bundles(cluster: "ClusterConfig", nodes: list[dict] | None = None) -> list[dict[str, float]]:
+    """A replica's placement-group bundles: the one bundle of :func:`replica_bundle` where an
+    alive node holds it (its ranks are the engine's own processes), else one per rank (a spread
+    replica, vLLM's Ray executor). ``nodes``: ``ray.nodes()`` (read when None)."""
+    if _largest_fit(replica_bundle(cluster), _alive(nodes)) or cluster.model.world_size == 1:
+        return [replica_bundle(cluster)]
+    return [rank_bundle(cluster) for _ in range(cluster.model.world_size)]
+
+
+def is_spread(bundles: list[dict[str, float]]) -> bool:
+    return len(bundles) > 1
+
+
+def host_actor_options(cluster: "ClusterConfig", spread: bool = False) -> dict[str, Any]:
     """Ray options of the actor hosting a replica's engine inside its bundle: a sliver of CPU and
-    every GPU (so that Ray sets ``CUDA_VISIBLE_DEVICES`` to the bundle's GPUs for the engine)."""
-    return {"num_cpus": HOST_CPUS, "num_gpus": replica_bundle(cluster).get("GPU", 0.0)}
+    every GPU (so that Ray sets ``CUDA_VISIBLE_DEVICES`` to the bundle's GPUs for the engine). A
+    spread replica's host takes no GPU: vLLM's Ray workers take their bundles' own."""
+    return {"num_cpus": HOST_CPUS, "num_gpus": 0.0 if spread else replica_bundle(cluster).get("GPU", 0.0)}
+
+
+def check_fits_the_cluster(cluster: "ClusterConfig", nodes: list[dict] | None = None) -> None:
+    """Refuse a replica that the alive nodes of the connected Ray cluster cannot hold even spread
+    a rank per bundle (``ValueError`` on a local Ray, a warning on a joined one, as
+    :func:`check_fits_a_node`): the message says how many GPUs (or rank slots) it needs and how
+    many the cluster has."""
+    alive = _alive(nodes)
+    if _largest_fit(replica_bundle(cluster), alive):
+        return
+    need = rank_bundle(cluster)
+    room = sum(_count_fit(need, have) for have in alive)
+    ranks = cluster.model.world_size
+    if room >= ranks:
+        return
+    model = cluster.model
+    unit = "GPU" if need.get("GPU") else (CPU_RANK if CPU_RANK in need else "CPU")
+    per_rank = need.get(unit, 1.0)
+    total = sum(have.get(unit, 0.0) for have in alive)
+    message = (
+        f"one replica of {model.name!r} needs {ranks * per_rank:g} {unit} ({ranks} ranks: tensor_parallel_size "
+        f"{model.tensor_parallel_size} x pipeline_parallel_size {model.pipeline_parallel_size}, each with "
+        f"{_show(need)}), but this Ray cluster has {total:g} {unit} on {len(alive)} node(s), room for {room} "
+        "such rank(s). Lower the parallel sizes or the resources per rank, or add nodes"
+        + (f" (on a CPU, nodes offering the custom resource {CPU_RANK!r})" if unit == CPU_RANK else "")
+    )
+    if _head_started_here():
+        raise ValueError(message)
+    warnings.warn(message + " (waiting: nodes may still join this cluster)", stacklevel=2)
+
+
+def _alive(nodes: list[dict] | None) -> list[dict[str, float]]:
+    if nodes is None:
+        import ray
+
+        nodes = ray.nodes()
+    return [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
+
+
+def _largest_fit(need: dict[str, float], alive: list[dict[str, float]]) -> bool:
+    return any(all(have.get(name, 0.0) >= amount for name, amount in need.items()) for have in alive)
+
+
+def _count_fit(need: dict[str, float], have: dict[str, float]) -> int:
+    return min(int(have.get(name, 0.0) / amount + 1e-9) for name, amount in need.items())
 
 
 def check_fits_a_node(cluster: "ClusterConfig", nodes: list[dict] | None = None) -> None:

@@ -41,7 +41,7 @@ from interlace.cluster.serve.state import SharedState
 from interlace.core import settings
 from interlace.core.wire import Completion, EngineDeath, Report, SavesOnNode, SavesRef, ShardTask
 from interlace.workers.flight import culprit, read_records
-from interlace.workers.sink import discard
+from interlace.workers.sink import DirSink, discard
 
 REPORT_GRACE_S = 30.0  # how long to wait for a shard's reports after its generation ended
 _POLL_S = 0.005
@@ -76,6 +76,9 @@ class Replica:
         self.sink_root = Path(settings.fast_tmp_dir() or tempfile.gettempdir()) / f"interlace-{name}-{os.getpid()}"
         self.sink_root.mkdir(parents=True)
         remove_on_exit(self.sink_root)
+        self.sink = f"dir:{self.sink_root}"  # a spread replica's ranks: "ray:..." (_start_engine)
+        self._delivered = DirSink(str(self.sink_root))  # reports sent by ranks on other nodes
+        self.reports_delivered = 0
         self._engine = None
         self._starting: asyncio.Task | None = None  # the engine's start, shared by every caller
         self._module_names: list[str] = []
@@ -99,6 +102,7 @@ class Replica:
         return {"index": self.index, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "max_in_flight_seen": self.max_in_flight_seen,
                 "shards_served": self.shards_served, "engine_pids": self.engine_pids(),
+                "reports_delivered": self.reports_delivered,
                 "module_names": self._module_names}
 
     async def step_counts(self) -> list[dict[str, Any]]:
@@ -130,8 +134,16 @@ class Replica:
         return self._engine
 
     async def _start_engine(self) -> None:
+        overrides = self.overrides
+        if self._spread():  # ranks on several nodes: vLLM's Ray executor starts them in our bundles
+            import ray
+
+            context = ray.get_runtime_context()
+            os.environ["RAY_ADDRESS"] = context.gcs_address  # the engine core joins this Ray cluster
+            overrides = {**overrides, "distributed_executor_backend": "ray"}
+            self.sink = f"ray:{context.get_node_id()}:{context.namespace}:{context.get_actor_name()}:{self.sink_root}"
         try:
-            engine = await start_async_engine(self.config, **self.overrides)
+            engine = await start_async_engine(self.config, **overrides)
             self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
         except BaseException:
             self._starting = None  # the next caller tries again
@@ -139,6 +151,20 @@ class Replica:
         self._engine = engine
         if self.state is not None:
             self._gauges_task = asyncio.get_running_loop().create_task(self._push_gauges())
+
+    def _spread(self) -> bool:
+        """Whether this replica's ranks have a bundle each (cluster/placement.py), named actor and all."""
+        import ray
+
+        group = ray.util.get_current_placement_group()
+        return group is not None and len(group.bundle_specs) > 1 and bool(ray.get_runtime_context().get_actor_name())
+
+    def deliver_reports(self, trace: str, stage: int, reports: list[dict]) -> None:
+        """Reports of a rank on another node (workers/sink.py, ``RaySink``): written into this
+        replica's sink folder as that rank's own batch, where the shard's watcher reads them."""
+        self._delivered.write(trace, stage, reports)
+        self._delivered.close(trace, stage)
+        self.reports_delivered += len(reports)
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is unhealthy (Serve replaces it)."""
@@ -186,7 +212,7 @@ class Replica:
 
         wire = task.wire_trace
         prompts, params = build_requests(task.prompts, task.payloads, task.settings, wire,
-                                         sink=f"dir:{self.sink_root}")
+                                         sink=self.sink)
         ids = [f"{wire}-{p.invoke if p is not None else i}" for i, p in enumerate(task.payloads)]
         return await asyncio.gather(*(_final(engine.generate(prompt, param, rid))
                                       for prompt, param, rid in zip(prompts, params, ids)))
@@ -275,7 +301,7 @@ class Replica:
         engine = await self._engine_up()
         wire = task.wire_trace
         prompts, params = build_requests(task.prompts, task.payloads, {**task.settings, "output_kind": RequestOutputKind.DELTA},
-                                         wire, sink=f"dir:{self.sink_root}")
+                                         wire, sink=self.sink)
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, prompt, param) -> None:
@@ -445,17 +471,22 @@ def _compact(value: Any) -> Any:
     return value
 
 
-def replica_actor(placement_group, cluster: ClusterConfig, cores: list[int] | None, max_restarts: int = -1):
-    """The Replica class as a Ray actor in ``placement_group``'s one bundle, holding its GPUs (see
-    :mod:`interlace.cluster.placement`: Ray points the engine's ranks at them)."""
+def replica_actor(placement_group, cluster: ClusterConfig, cores: list[int] | None, max_restarts: int = -1,
+                  name: str | None = None):
+    """The Replica class as a Ray actor in ``placement_group``'s first bundle: holding its GPUs
+    where the placement group is its one bundle (Ray points the engine's ranks at them), or, named
+    ``name``, the host of a spread replica whose ranks vLLM's Ray executor places in the bundles (see
+    :mod:`interlace.cluster.placement`; ranks on other nodes find it by name to send reports)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if cores:
         env["INTERLACE_CPU_CORES"] = ",".join(map(str, cores))
+    named = {"name": name} if name else {}
     return ray.remote(Replica).options(
-        **host_actor_options(cluster),
+        **named,
+        **host_actor_options(cluster, spread=name is not None),
         max_restarts=max_restarts,
         max_task_retries=0,  # the driver re-runs a dead replica's shards itself, as new attempts
         max_concurrency=cluster.max_in_flight + 16,  # plus status calls

@@ -53,7 +53,7 @@ from interlace.cluster.assembly import assemble
 from interlace.cluster.collector import start_collector
 from interlace.cluster.config import ClusterConfig
 from interlace.cluster.engine import refuse_graph_settings
-from interlace.cluster.placement import check_fits_a_node, check_replicas_fit, replica_bundle
+from interlace.cluster.placement import check_fits_the_cluster, check_replicas_fit, is_spread, replica_bundles
 from interlace.cluster.replica import replica_actor
 from interlace.cluster.shards import joined_invokes, plan_shards
 from interlace.core import sigterm
@@ -142,20 +142,23 @@ class Cluster:
         from ray.util.placement_group import placement_group
 
         cfg = self.config
-        # Before a placement group waits forever for a node this cluster will never have.
-        check_fits_a_node(cfg)
-        check_replicas_fit(cfg)
+        # Before a placement group waits forever for nodes this cluster will never have.
+        check_fits_the_cluster(cfg)
+        bundles = replica_bundles(cfg)  # one bundle, or one per rank where no node holds the replica
+        if not is_spread(bundles):
+            check_replicas_fit(cfg)
         self._room = asyncio.Condition()
         self.collector = start_collector(name=f"{self.name}-collector")
         self._node = ray.get_runtime_context().get_node_id()  # replicas here leave saves in files for us
         for index in range(cfg.replicas):
-            group = placement_group([replica_bundle(cfg)], name=f"{self.name}-r{index}")
+            group = placement_group(bundles, strategy="PACK", name=f"{self.name}-r{index}")
             self._replicas.append(_ReplicaSlot(index, None, group))
         for slot in self._replicas:
-            await _placed(slot, replica_bundle(cfg))
+            await _placed(slot, bundles)
             cores = cfg.cpu_cores[slot.index % len(cfg.cpu_cores)] if cfg.cpu_cores else None
-            slot.actor = replica_actor(slot.placement_group, cfg, cores).remote(
-                cfg.model.model_dump(), slot.index, f"{self.name}-collector", f"{self.name}-r{slot.index}", engine_overrides)
+            name = f"{self.name}-r{slot.index}"
+            slot.actor = replica_actor(slot.placement_group, cfg, cores, name=name if is_spread(bundles) else None).remote(
+                cfg.model.model_dump(), slot.index, f"{self.name}-collector", name, engine_overrides)
         infos = await asyncio.gather(*(slot.actor.ready.remote() for slot in self._replicas))
         for slot, info in zip(self._replicas, infos):
             slot.state, slot.node, slot.pid = "alive", info["node"], info["pid"]
@@ -412,7 +415,7 @@ class Cluster:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
 
-async def _placed(slot: _ReplicaSlot, bundle: dict[str, float]) -> None:
+async def _placed(slot: _ReplicaSlot, bundles: list[dict[str, float]]) -> None:
     """Wait for a replica's placement group, saying every ``_PENDING_REPORT_S`` what it waits for
     (on a joined cluster resources may come later, as Ray Serve reports pending replicas)."""
     import ray
@@ -420,8 +423,9 @@ async def _placed(slot: _ReplicaSlot, bundle: dict[str, float]) -> None:
     ready = asyncio.ensure_future(slot.placement_group.ready())
     while not (await asyncio.wait({ready}, timeout=_PENDING_REPORT_S))[0]:
         free = ray.available_resources()
-        logger.warning("interlace: replica %d is pending: its placement group needs %s on one node; the cluster "
-                       "has %s free now", slot.index, bundle, {name: free.get(name, 0.0) for name in bundle})
+        where = "on one node" if len(bundles) == 1 else f"in {len(bundles)} bundles, one per rank"
+        logger.warning("interlace: replica %d is pending: its placement group needs %s %s; the cluster "
+                       "has %s free now", slot.index, bundles[0], where, {name: free.get(name, 0.0) for name in bundles[0]})
     ready.result()
 
 

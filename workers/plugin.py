@@ -29,12 +29,15 @@ TAPS_KEY = "interlace_taps"
 # The tap ops (taps.py), named here for engine.py: the driver side must not load torch ops.
 SPLITTING_OPS = ("interlace::tap", "interlace::tap_output")
 LOAD_ERRORS_ENV = "INTERLACE_LOAD_ERRORS"
+CPU_RAY_ENV = "INTERLACE_CPU_RAY"  # set to the Ray resource a CPU rank takes: vLLM's Ray executor on a CPU
 
 
 def register() -> None:
     """The entry point (loaded in every vLLM process, possibly more than once)."""
     _fork_workers_from_the_engine_core()
     _exit_without_collecting()
+    if os.environ.get(CPU_RAY_ENV):
+        _ranks_on_ray_from_a_cpu(os.environ[CPU_RAY_ENV])
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     original = BaseModelLoader.load_model
@@ -157,3 +160,38 @@ def tell_the_caller(exc: BaseException) -> None:
         return
     with os.fdopen(fd, "a", encoding="utf-8") as out:
         out.write(" ".join(str(exc).split()) + "\n")
+
+
+def _ranks_on_ray_from_a_cpu(resource: str) -> None:
+    """Let vLLM's Ray executor place a CPU engine's ranks (a replica spread over Ray nodes,
+    cluster/placement.py). vLLM refuses a platform with no Ray device key; on a CPU each rank
+    takes one unit of the custom Ray resource ``resource`` (every node that may hold ranks offers
+    it), and a worker's "GPU ids" are none (0 for all)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        return
+    type(current_platform).ray_device_key = resource
+    try:
+        from vllm.v1.executor.ray_utils import RayWorkerWrapper
+    except ImportError:
+        return
+
+    def get_node_and_physical_gpu_ids(self):
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), [0]
+
+    RayWorkerWrapper.get_node_and_physical_gpu_ids = get_node_and_physical_gpu_ids
+    try:
+        from vllm.v1.executor.ray_executor_v2 import RayWorkerProc
+    except ImportError:
+        return
+    RayWorkerProc.get_node_and_physical_gpu_ids = get_node_and_physical_gpu_ids
+
+
+def ray_worker_setup() -> None:
+    """A Ray ``worker_process_setup_hook`` for the job of a spread replica's engine core: vLLM's Ray
+    workers ask for their devices before they load vLLM's plugins."""
+    if os.environ.get(CPU_RAY_ENV):
+        _ranks_on_ray_from_a_cpu(os.environ[CPU_RAY_ENV])

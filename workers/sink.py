@@ -127,15 +127,52 @@ def writing_reports(root: Path) -> bool:
     return any(root.glob("*/.partial-*"))
 
 
+class RaySink(DirSink):
+    """The sink of a replica whose ranks are spread over Ray nodes (cluster/placement.py), spec
+    ``ray:<node id>:<namespace>:<actor name>:/path``. A rank on the replica's node (``node id``)
+    writes the replica's folder ``/path``, as :class:`DirSink` does. A rank on another node writes
+    each batch into a folder of its own node, then hands the batch's reports to the replica actor
+    (``Replica.deliver_reports``), which writes them into its folder: nodes share no file system,
+    and Ray carries the saves. The call waits for the answer, on this rank's reporter thread (off
+    the step path), so a batch is in the replica's folder before the next one is written."""
+
+    def __init__(self, node: str, namespace: str, actor: str, folder: str):
+        import ray  # only here: a rank of a spread replica is a Ray worker already
+
+        self.local = ray.get_runtime_context().get_node_id() == node
+        self._replica = None if self.local else ray.get_actor(actor, namespace=namespace)
+        super().__init__(folder if self.local else tempfile.mkdtemp(prefix="interlace-remote-reports-"))
+
+    @contextlib.contextmanager
+    def batch(self, trace: str, stage: int) -> Iterator[ReportFileWriter]:
+        with super().batch(trace, stage) as batch:
+            yield batch
+        if not self.local:
+            self._send(trace, stage)
+
+    def _send(self, trace: str, stage: int) -> None:
+        import ray
+
+        folder = self.root / trace
+        for path in sorted(folder.glob(f"*{SUFFIX}")):
+            ray.get(self._replica.deliver_reports.remote(trace, stage, read_report_file(path)))
+            path.unlink()
+
+
 _SINKS: dict[str, DirSink] = {}
 
 
 def open_sink(spec: str) -> DirSink:
     """The sink for ``spec``, one per process (it keeps the traces' open data files)."""
     kind, _, where = spec.partition(":")
-    if kind == "dir":
-        return _SINKS.setdefault(spec, DirSink(where))
-    raise ValueError(f"unknown report sink {spec!r}; expected 'dir:/path'")
+    if spec not in _SINKS:
+        if kind == "dir":
+            _SINKS[spec] = DirSink(where)
+        elif kind == "ray":
+            _SINKS[spec] = RaySink(*where.split(":", 3))
+        else:
+            raise ValueError(f"unknown report sink {spec!r}; expected 'dir:/path' or 'ray:<node>:<namespace>:<actor>:/path'")
+    return _SINKS[spec]
 
 
 def close_sink(spec: str) -> None:
