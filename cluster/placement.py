@@ -9,7 +9,7 @@ takes the GPUs whole. On CPU the same code runs with CPUs in the bundle (the ran
 see :func:`interlace.cluster.engine.prepare_environment`), so the CPU tests run the very placement
 a GPU cluster runs.
 
-A cluster replica that no node can hold is *spread* (:func:`replica_bundles`): a bundle per rank,
+A replica that no node can hold is *spread* (:func:`replica_bundles`): a bundle per rank,
 packed onto as few nodes as Ray can (``PACK``), its ranks started by vLLM's Ray executor in those
 bundles (the hosting actor sits in bundle 0, so the engine core and rank 0 share its node). Ranks
 on other nodes send their reports to the hosting actor through Ray (workers/sink.py, ``ray:``): no
@@ -18,9 +18,9 @@ resource ``interlace_cpu_rank``, which vLLM's Ray executor places ranks by
 (``ray start --resources '{"interlace_cpu_rank": 1}'``; a GPU rank takes its GPU).
 :func:`check_fits_the_cluster` refuses a replica the whole cluster cannot hold, on a local Ray,
 before anything waits for resources no node has (a placement group that cannot be placed waits
-forever), and warns on a joined cluster, where an autoscaler may add nodes. Serve and sweeps place
-replicas on one node still (:func:`check_fits_a_node`); :func:`check_replicas_fit` checks all of
-a cluster's one-node replicas together.
+forever), and warns on a joined cluster, where an autoscaler may add nodes. Serve's engine
+replicas are placed the same way; sweeps place a replica on one node still (:func:`check_fits_a_node`);
+:func:`check_replicas_fit` checks all of a cluster's one-node replicas together.
 
     >>> from interlace.cluster.config import ClusterConfig
     >>> cfg = ClusterConfig.load("tiny-llama-2")
@@ -76,11 +76,22 @@ def rank_bundle(cluster: "ClusterConfig") -> dict[str, float]:
 
 def replica_bundles(cluster: "ClusterConfig", nodes: list[dict] | None = None) -> list[dict[str, float]]:
     """A replica's placement-group bundles: the one bundle of :func:`replica_bundle` where an
-    alive node holds it (its ranks are the engine's own processes), else one per rank (a spread
-    replica, vLLM's Ray executor). ``nodes``: ``ray.nodes()`` (read when None)."""
-    if _largest_fit(replica_bundle(cluster), _alive(nodes)) or cluster.model.world_size == 1:
+    alive node holds it (its ranks are the engine's own processes), else one per rank where the
+    alive nodes hold those (a spread replica, vLLM's Ray executor). ``nodes``: ``ray.nodes()`` (read when None; with no Ray
+    connected, as when an application is built to be deployed later, the one bundle)."""
+    import ray
+
+    if nodes is None and not ray.is_initialized():
         return [replica_bundle(cluster)]
-    return [rank_bundle(cluster) for _ in range(cluster.model.world_size)]
+    alive = _alive(nodes)
+    ranks = cluster.model.world_size
+    if _largest_fit(replica_bundle(cluster), alive) or ranks == 1:
+        return [replica_bundle(cluster)]
+    if sum(_count_fit(rank_bundle(cluster), have) for have in alive) < ranks:
+        # Not even spread: the one bundle, which waits for a node that large (an autoscaler adding
+        # one) where :func:`check_fits_the_cluster` warns, and is refused where it raises.
+        return [replica_bundle(cluster)]
+    return [rank_bundle(cluster) for _ in range(ranks)]
 
 
 def is_spread(bundles: list[dict[str, float]]) -> bool:

@@ -77,8 +77,7 @@ class Replica:
         self.sink_root.mkdir(parents=True)
         remove_on_exit(self.sink_root)
         self.sink = f"dir:{self.sink_root}"  # a spread replica's ranks: "ray:..." (_start_engine)
-        self._delivered = DirSink(str(self.sink_root))  # reports sent by ranks on other nodes
-        self.reports_delivered = 0
+        self._inbox = None  # a spread replica's ReportInbox, on this node
         self._engine = None
         self._starting: asyncio.Task | None = None  # the engine's start, shared by every caller
         self._module_names: list[str] = []
@@ -102,7 +101,7 @@ class Replica:
         return {"index": self.index, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "in_flight": self.in_flight, "max_in_flight_seen": self.max_in_flight_seen,
                 "shards_served": self.shards_served, "engine_pids": self.engine_pids(),
-                "reports_delivered": self.reports_delivered,
+                "reports_delivered": ray.get(self._inbox.count.remote()) if self._inbox is not None else 0,
                 "module_names": self._module_names}
 
     async def step_counts(self) -> list[dict[str, Any]]:
@@ -141,7 +140,8 @@ class Replica:
             context = ray.get_runtime_context()
             os.environ["RAY_ADDRESS"] = context.gcs_address  # the engine core joins this Ray cluster
             overrides = {**overrides, "distributed_executor_backend": "ray"}
-            self.sink = f"ray:{context.get_node_id()}:{context.namespace}:{context.get_actor_name()}:{self.sink_root}"
+            self._inbox, name = ReportInbox.start(self.sink_root)
+            self.sink = f"ray:{context.get_node_id()}:{context.namespace}:{name}:{self.sink_root}"
         try:
             engine = await start_async_engine(self.config, **overrides)
             self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
@@ -153,18 +153,11 @@ class Replica:
             self._gauges_task = asyncio.get_running_loop().create_task(self._push_gauges())
 
     def _spread(self) -> bool:
-        """Whether this replica's ranks have a bundle each (cluster/placement.py), named actor and all."""
+        """Whether this replica's ranks have a bundle each (cluster/placement.py)."""
         import ray
 
         group = ray.util.get_current_placement_group()
-        return group is not None and len(group.bundle_specs) > 1 and bool(ray.get_runtime_context().get_actor_name())
-
-    def deliver_reports(self, trace: str, stage: int, reports: list[dict]) -> None:
-        """Reports of a rank on another node (workers/sink.py, ``RaySink``): written into this
-        replica's sink folder as that rank's own batch, where the shard's watcher reads them."""
-        self._delivered.write(trace, stage, reports)
-        self._delivered.close(trace, stage)
-        self.reports_delivered += len(reports)
+        return group is not None and len(group.bundle_specs) > 1
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is unhealthy (Serve replaces it)."""
@@ -428,6 +421,39 @@ class Replica:
 
 
 @dataclasses.dataclass
+class ReportInbox:
+    """A spread replica's mailbox, an actor on the replica's node: ranks on other nodes send their
+    report batches here (workers/sink.py, ``RaySink``), which it writes into the replica's sink
+    folder as those ranks' own batches, where the shard watchers read them. An actor of its own,
+    not a method of the replica: Serve's and sweeps' hosts are actors of other classes."""
+
+    def __init__(self, folder: str):
+        self.sink = DirSink(folder)
+        self.delivered = 0
+
+    @classmethod
+    def start(cls, folder: Path):
+        """An inbox on this node, named for the ranks to find it, ended with its owner (this
+        process): (its handle, its name)."""
+        import uuid
+
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        name = f"interlace-inbox-{uuid.uuid4().hex[:12]}"
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ray.remote(cls).options(name=name, num_cpus=0, scheduling_strategy=here).remote(str(folder)), name
+
+    def deliver(self, trace: str, stage: int, reports: list[dict]) -> None:
+        self.sink.write(trace, stage, reports)
+        self.sink.close(trace, stage)
+        self.delivered += len(reports)
+
+    def count(self) -> int:
+        return self.delivered
+
+
+@dataclasses.dataclass
 class ShardOutcome:
     """What ``run_here`` returns for one shard."""
 
@@ -471,22 +497,19 @@ def _compact(value: Any) -> Any:
     return value
 
 
-def replica_actor(placement_group, cluster: ClusterConfig, cores: list[int] | None, max_restarts: int = -1,
-                  name: str | None = None):
+def replica_actor(placement_group, cluster: ClusterConfig, cores: list[int] | None, max_restarts: int = -1):
     """The Replica class as a Ray actor in ``placement_group``'s first bundle: holding its GPUs
-    where the placement group is its one bundle (Ray points the engine's ranks at them), or, named
-    ``name``, the host of a spread replica whose ranks vLLM's Ray executor places in the bundles (see
-    :mod:`interlace.cluster.placement`; ranks on other nodes find it by name to send reports)."""
+    where the placement group is its one bundle (Ray points the engine's ranks at them), or the
+    host of a spread replica, whose ranks vLLM's Ray executor places in the bundles, one each
+    (see :mod:`interlace.cluster.placement`)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if cores:
         env["INTERLACE_CPU_CORES"] = ",".join(map(str, cores))
-    named = {"name": name} if name else {}
     return ray.remote(Replica).options(
-        **named,
-        **host_actor_options(cluster, spread=name is not None),
+        **host_actor_options(cluster, spread=len(placement_group.bundle_specs) > 1),
         max_restarts=max_restarts,
         max_task_retries=0,  # the driver re-runs a dead replica's shards itself, as new attempts
         max_concurrency=cluster.max_in_flight + 16,  # plus status calls

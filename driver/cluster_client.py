@@ -156,9 +156,8 @@ class Cluster:
         for slot in self._replicas:
             await _placed(slot, bundles)
             cores = cfg.cpu_cores[slot.index % len(cfg.cpu_cores)] if cfg.cpu_cores else None
-            name = f"{self.name}-r{slot.index}"
-            slot.actor = replica_actor(slot.placement_group, cfg, cores, name=name if is_spread(bundles) else None).remote(
-                cfg.model.model_dump(), slot.index, f"{self.name}-collector", name, engine_overrides)
+            slot.actor = replica_actor(slot.placement_group, cfg, cores).remote(
+                cfg.model.model_dump(), slot.index, f"{self.name}-collector", f"{self.name}-r{slot.index}", engine_overrides)
         infos = await asyncio.gather(*(slot.actor.ready.remote() for slot in self._replicas))
         for slot, info in zip(self._replicas, infos):
             slot.state, slot.node, slot.pid = "alive", info["node"], info["pid"]

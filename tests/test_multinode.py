@@ -12,19 +12,24 @@ reference is the session's single-rank ``llama`` Model.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import interlace
 from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
 from test_cluster import assert_same, build, reference
 from test_cluster_parallel import two_stages
-from test_sweep import free_ports, stop_private_ray
+from test_sweep import CLUSTER, assert_equals_model, free_ports, stop_private_ray, text_prompts, write_config, write_jsonl
 
 
 def _start_node(temp: Path, env: dict, ip: str, head_port: int, *extra: str) -> None:
@@ -54,35 +59,34 @@ def test_a_replica_larger_than_the_cluster_is_refused_with_what_it_needs():
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """Two Ray nodes on this host; the driver (this process) joins them. Token-authenticated, as
-    Ray 2.60 is by default, with this user's token file, which a driver of this process that
-    started a local Ray before has loaded already (and keeps: a cluster without tokens then
-    cannot call back into it)."""
+    """Two Ray nodes on this host; the driver (this process) joins them. Authenticated as this
+    process's Ray client already is: Ray reads ``RAY_AUTH_MODE`` once per process, and a cluster
+    whose mode differs cannot call back into the driver (its actors are cancelled as orphans).
+    With tokens, this user's token file, which the driver reads too."""
     import ray
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
     assert not ray.is_initialized()
     temps = [Path(tempfile.mkdtemp(prefix=f"irn{i}", dir="/tmp")) for i in range(2)]
     bin_dir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", RAY_AUTH_MODE="token")
-    subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", RAY_AUTH_MODE="token" if is_token_auth_enabled() else "disabled")
+    if env["RAY_AUTH_MODE"] == "token":
+        subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     (port,) = free_ports(1)
-    mode = os.environ.get("RAY_AUTH_MODE")
     try:
         _start_node(temps[0], env, "127.0.0.1", port)
         _start_node(temps[1], env, "127.0.0.2", port, "--address", f"127.0.0.1:{port}")
-        os.environ["RAY_AUTH_MODE"] = "token"
         ray.init(address=f"127.0.0.1:{port}")
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
         yield temps
     finally:
         ray.shutdown()
-        os.environ.pop("RAY_AUTH_MODE") if mode is None else os.environ.__setitem__("RAY_AUTH_MODE", mode)
         for temp in temps:
             stop_private_ray(temp)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def spread_pp2(two_nodes):
     model = ModelConfig.load("tiny-llama").model_copy(update={"pipeline_parallel_size": 2})
     handle = interlace.Cluster(ClusterConfig(model=model, replicas=1, max_in_flight=4,
@@ -120,3 +124,76 @@ def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(
     assert info["reports_delivered"] == intervened
     stats = ray.get(spread_pp2.collector.stats.remote())
     assert stats["dropped"] == 0 and stats["pending"] == 0
+
+
+def test_the_serve_app_spreads_its_engine_replica_over_two_nodes(two_nodes, llama):
+    """``interlace serve`` on the same two nodes: the engine deployment's placement group is a
+    bundle per rank, one on each node, and a program's results through HTTP equal one engine's."""
+    from ray import serve
+    from ray.util import placement_group_table
+
+    from interlace.cluster.config import ServeConfig
+    from interlace.cluster.serve import app as serve_app
+
+    model = ModelConfig.load("tiny-llama").model_copy(update={"pipeline_parallel_size": 2})
+    (port,) = free_ports(1)
+    cfg = ServeConfig(cluster=ClusterConfig(model=model, resources=ResourcesConfig(num_cpus=1)), port=port,
+                      ingress_replicas=1, auth={"anonymous_role": "code"})
+    try:
+        remote = interlace.connect(serve_app.start(cfg))
+        (table,) = [t for t in placement_group_table().values() if t["state"] == "CREATED"]
+        assert len(table["bundles"]) == 2 and len(set(table["bundles_to_node_id"].values())) == 2
+        results = []
+        for target in (remote, llama):
+            with target.trace(max_tokens=3) as tr:
+                for i in range(4):
+                    tr.invoke(f"Sample {i} of the sweep", program=two_stages)
+            results.append(tr.result)
+        assert_same(*results)
+    finally:
+        serve.shutdown()
+
+
+def test_a_sweep_on_two_nodes_completes_once_though_a_node_died(two_nodes, tmp_path, llama):
+    """One replica on each node (a CPU each); the second node's raylet is killed once a shard is
+    committed: the sweep finishes on the first node, every prompt once, equal to one engine."""
+    from interlace.cluster.config import SweepConfig
+    from interlace.cluster.sweep.runner import run_sweep
+
+    prompts = text_prompts(48)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    cfg = SweepConfig.load(write_config(
+        tmp_path, "nodes", cluster={**CLUSTER, "cpu_cores": None}, input={"paths": ["prompts.jsonl"]},
+        output="out", shard_size=4, shards_in_flight=1, generation={"max_tokens": 2},
+        intervention={"ops": [{"op": "save", "point": "layers.2.resid", "name": "r2", "tokens": "last"}]}))
+    raylet = next(p for p in psutil.process_iter(["name", "cmdline"])
+                  if "raylet" in (p.info["name"] or "") and str(two_nodes[1]) in " ".join(p.info["cmdline"] or []))
+    killed: list[int] = []
+
+    def kill_the_second_node() -> None:
+        deadline = time.monotonic() + 300
+        while not list(Path(cfg.output).glob("shard-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        node = [raylet, *raylet.children(recursive=True)]  # its workers, their engines: the machine is gone
+        for proc in node:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+        killed.extend(proc.pid for proc in node)
+
+    killer = threading.Thread(target=kill_the_second_node)
+    killer.start()
+    try:
+        manifest = run_sweep(cfg)
+    finally:
+        killer.join()
+    import ray
+
+    assert len(killed) > 2, "no shard was committed, or the node ran no worker"
+    assert manifest["status"] == "complete" and manifest["counts"]["shards"] == 12
+    writers = {record["pid"] for record in manifest["shards"].values()}
+    assert writers & set(killed) and writers - set(killed)  # the lost node had committed shards; the other finished
+    deadline = time.monotonic() + 60
+    while len([n for n in ray.nodes() if n["Alive"]]) > 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 1  # Ray saw the node go
+    assert_equals_model(Path(cfg.output), llama, prompts, max_tokens=2, layer=2)  # every prompt once, in order

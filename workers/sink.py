@@ -129,18 +129,18 @@ def writing_reports(root: Path) -> bool:
 
 class RaySink(DirSink):
     """The sink of a replica whose ranks are spread over Ray nodes (cluster/placement.py), spec
-    ``ray:<node id>:<namespace>:<actor name>:/path``. A rank on the replica's node (``node id``)
+    ``ray:<node id>:<namespace>:<inbox actor>:/path``. A rank on the replica's node (``node id``)
     writes the replica's folder ``/path``, as :class:`DirSink` does. A rank on another node writes
-    each batch into a folder of its own node, then hands the batch's reports to the replica actor
-    (``Replica.deliver_reports``), which writes them into its folder: nodes share no file system,
-    and Ray carries the saves. The call waits for the answer, on this rank's reporter thread (off
+    each batch into a folder of its own node, then hands the batch's reports to the replica's
+    inbox actor on that node (``cluster/replica.py`` ``ReportInbox``), which writes them into the
+    folder: nodes share no file system, and Ray carries the saves. The call waits for the answer, on this rank's reporter thread (off
     the step path), so a batch is in the replica's folder before the next one is written."""
 
     def __init__(self, node: str, namespace: str, actor: str, folder: str):
         import ray  # only here: a rank of a spread replica is a Ray worker already
 
         self.local = ray.get_runtime_context().get_node_id() == node
-        self._replica = None if self.local else ray.get_actor(actor, namespace=namespace)
+        self._inbox = None if self.local else ray.get_actor(actor, namespace=namespace)
         super().__init__(folder if self.local else tempfile.mkdtemp(prefix="interlace-remote-reports-"))
 
     @contextlib.contextmanager
@@ -155,7 +155,7 @@ class RaySink(DirSink):
 
         folder = self.root / trace
         for path in sorted(folder.glob(f"*{SUFFIX}")):
-            ray.get(self._replica.deliver_reports.remote(trace, stage, read_report_file(path)))
+            ray.get(self._inbox.deliver.remote(trace, stage, read_report_file(path)))
             path.unlink()
 
 

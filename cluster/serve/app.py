@@ -30,7 +30,7 @@ from ray import serve
 from ray.serve import Application
 
 from interlace.cluster.config import ServeConfig
-from interlace.cluster.placement import check_fits_a_node, host_actor_options, replica_bundle
+from interlace.cluster.placement import check_fits_the_cluster, host_actor_options, is_spread, replica_bundles
 from interlace.cluster.replica import Replica, compact_outcome
 from interlace.cluster.serve.auth import Tokens
 from interlace.cluster.serve.ingress import Ingress, api
@@ -154,13 +154,16 @@ def _merge_tokens(events: list[tuple]) -> list[tuple]:
 def _engine_options(cfg: ServeConfig) -> dict[str, Any]:
     """Serve options of the engine deployment: its placement group, replicas, backpressure."""
     cluster = cfg.cluster
+    bundles = replica_bundles(cluster)
     env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     options: dict[str, Any] = dict(
         max_ongoing_requests=cluster.max_in_flight,  # Serve queues the rest: backpressure per replica
         # As the cluster places a replica: one bundle of every rank's resources, the actor holding
-        # its GPUs (the engine's ranks are the actor's child processes).
-        ray_actor_options={**host_actor_options(cluster), "runtime_env": {"env_vars": env}},
-        placement_group_bundles=[replica_bundle(cluster)],
+        # its GPUs (the engine's ranks are the actor's child processes), or, where no node holds
+        # that, a bundle per rank over several nodes (cluster/placement.py).
+        ray_actor_options={**host_actor_options(cluster, spread=is_spread(bundles)), "runtime_env": {"env_vars": env}},
+        placement_group_bundles=bundles,
+        placement_group_strategy="PACK",
         logging_config=_QUIET,
         health_check_period_s=10,
         health_check_timeout_s=60,
@@ -199,7 +202,7 @@ def start(cfg: ServeConfig, address: str | None = None, name: str = "interlace")
         with sigterm.kept_across_ray_init():  # `interlace serve` stops on SIGTERM as on Ctrl-C
             ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
                      log_to_driver=False)
-    check_fits_a_node(cfg.cluster)  # before Serve waits forever for a node this Ray will never have
+    check_fits_the_cluster(cfg.cluster)  # before Serve waits forever for nodes this Ray will never have
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(cfg), name=name, route_prefix=cfg.route_prefix, blocking=False)
     url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
