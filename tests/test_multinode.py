@@ -84,6 +84,11 @@ def two_nodes():
         ray.shutdown()
         for temp in temps:
             stop_private_ray(temp)
+        for proc in psutil.process_iter(["cmdline"]):  # the head's Ray client server names no temp folder
+            with contextlib.suppress(psutil.Error):
+                line = " ".join(proc.info["cmdline"] or [])
+                if "--address=" in line and f":{port}" in line and proc.pid != os.getpid():
+                    proc.kill()
 
 
 @pytest.fixture
