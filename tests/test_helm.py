@@ -232,7 +232,10 @@ def test_sweep_config_is_what_the_cli_reads(helm, values, tmp_path):
 
 def test_sizes_follow_tp_pp_and_gpus_per_worker(helm):
     sizes = {p.name: worker_group_size(chart_values(p), "serve") for p in EXAMPLES}
-    assert sizes == {"single-gpu.yaml": (1, 4), "tp4.yaml": (1, 1), "tp4-pp2.yaml": (1, 1)}
+    assert sizes == {"single-gpu.yaml": (1, 4), "tp4.yaml": (1, 1), "tp4-pp2.yaml": (1, 1), "405b-two-pods.yaml": (2, 2)}
+    (service,) = of_kind(render(helm, CHART_DIR / "examples" / "405b-two-pods.yaml"), "RayService")
+    (group,) = cluster_spec(service)["workerGroupSpecs"]
+    assert (group["replicas"], group["rayStartParams"]["num-gpus"]) == (2, "8")  # 8 x 2 ranks: two pods of 8
     (service,) = of_kind(render(helm, CHART_DIR / "examples" / "tp4-pp2.yaml"), "RayService")
     (group,) = cluster_spec(service)["workerGroupSpecs"]
     container = group["template"]["spec"]["containers"][0]
@@ -249,7 +252,9 @@ def test_a_replica_fits_one_pod():
                                                                             "tensor_parallel_size": 2})})
     assert [worker_pods(tp2, 8, n) for n in (1, 4, 5)] == [1, 1, 2]
     with pytest.raises(ValueError, match="one replica needs 8 GPUs on one node"):
-        worker_pods(tp4pp2, 4, 1)  # a pipeline over two pods is refused, not sized
+        worker_pods(tp4pp2, 4, 1)  # a sweep's pipeline over two pods is refused, not sized
+    assert [worker_pods(tp4pp2, 4, n, spread=True) for n in (1, 3)] == [2, 6]  # the Serve app's: pods of its own
+    assert worker_pods(tp4pp2, 3, 1, spread=True) == 3  # 3 ranks a pod: 8 ranks take 3 pods
 
 
 def test_secure_defaults(helm):
@@ -278,14 +283,17 @@ def test_secure_defaults(helm):
 
 def test_refuses_what_cannot_be_placed(helm, tmp_path):
     values = tmp_path / "too-wide.yaml"
-    values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": {"tensor_parallel_size": 8}}}},
-                                      "workers": {"gpusPerWorker": 4}}))
+    wide = {"cluster": {"model": {"name": "m", "source": "/m", "tensor_parallel_size": 4, "pipeline_parallel_size": 2},
+                        "resources": {"num_gpus": 1}}, "output": "s3://b/x", "input": {"paths": ["s3://b/p.parquet"]},
+            "intervention": {"ops": [{"op": "save", "point": "logits"}]}}
+    values.write_text(yaml.safe_dump({"sweep": {"enabled": True, "config": wide}, "workers": {"gpusPerWorker": 4}}))
+    out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))  # a sweep's replica stays on one pod
+    assert out.returncode != 0 and "a sweep's replica runs on one node: raise gpusPerWorker to at least 8" in out.stderr, out.stderr
+    values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": {"tensor_parallel_size": 8},
+                                                                          "resources": {"num_gpus": 2}}}},
+                                      "workers": {"gpusPerWorker": 1}}))
     out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))
-    assert out.returncode != 0 and "raise gpusPerWorker to at least 8" in out.stderr, out.stderr
-    pipeline = {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}  # a replica's stages share its pod
-    values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": pipeline}}}, "workers": {"gpusPerWorker": 4}}))
-    out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))
-    assert out.returncode != 0 and "raise gpusPerWorker to at least 8" in out.stderr, out.stderr
+    assert out.returncode != 0 and "one rank needs num_gpus = 2 GPUs" in out.stderr, out.stderr
     values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": "tiny-llama"}}}}))
     out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))
     assert out.returncode != 0 and "write the model's fields inline" in out.stderr, out.stderr

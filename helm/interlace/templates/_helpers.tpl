@@ -108,10 +108,12 @@ the same config from the same values (tests/test_helm.py compares them).
 
 {{/*
 Worker pods that `replicas` engine replicas of a ClusterConfig mapping need: a replica's
-tensor_parallel_size x pipeline_parallel_size ranks share one pod (interlace.cluster.placement), and a
-pod of gpusPerWorker GPUs holds floor(gpusPerWorker / (tensor_parallel_size x pipeline_parallel_size x
-num_gpus)) replicas.
-Arguments: dict "cluster" "replicas" "gpusPerWorker" "where" (the values path, for errors).
+tensor_parallel_size x pipeline_parallel_size ranks share one pod where it holds them
+(interlace.cluster.placement), and a pod of gpusPerWorker GPUs holds floor(gpusPerWorker /
+(tensor_parallel_size x pipeline_parallel_size x num_gpus)) replicas. With "spread" (the Serve app),
+a replica larger than a pod takes ceil(ranks / ranks per pod) pods of its own, its ranks packed
+onto them; without (a sweep, whose replicas stay on one node), it is refused.
+Arguments: dict "cluster" "replicas" "gpusPerWorker" "spread" "where" (the values path, for errors).
 */}}
 {{- define "interlace.workerPods" -}}
 {{- $c := .cluster -}}
@@ -134,10 +136,17 @@ Arguments: dict "cluster" "replicas" "gpusPerWorker" "where" (the values path, f
 {{- $perPod := .gpusPerWorker | float64 -}}
 {{- $replica := mulf (mulf $tp $pp) $gpus -}}
 {{- if gt $replica $perPod -}}
-{{- fail (printf "%s: one replica needs tensor_parallel_size x pipeline_parallel_size x num_gpus = %v GPUs on one pod but workers.gpusPerWorker is %v; raise gpusPerWorker to at least %v" .where $replica $perPod $replica) -}}
+{{- $ranksPerPod := floor (divf $perPod $gpus) -}}
+{{- if not .spread -}}
+{{- fail (printf "%s: one replica needs tensor_parallel_size x pipeline_parallel_size x num_gpus = %v GPUs on one pod but workers.gpusPerWorker is %v; a sweep's replica runs on one node: raise gpusPerWorker to at least %v" .where $replica $perPod $replica) -}}
+{{- else if lt $ranksPerPod 1.0 -}}
+{{- fail (printf "%s: one rank needs num_gpus = %v GPUs but workers.gpusPerWorker is %v; raise gpusPerWorker to at least %v" .where $gpus $perPod $gpus) -}}
 {{- end -}}
+{{- mul (.replicas | int) (ceil (divf (mulf $tp $pp) $ranksPerPod) | int) -}}
+{{- else -}}
 {{- $replicasPerPod := floor (divf $perPod $replica) -}}
 {{- ceil (divf (.replicas | float64) $replicasPerPod) | int -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod-level settings shared by every Ray pod. */}}
