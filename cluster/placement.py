@@ -33,6 +33,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from interlace.core import settings
+
 if TYPE_CHECKING:
     from interlace.cluster.config import ClusterConfig
 
@@ -63,8 +65,6 @@ def replica_bundle(cluster: "ClusterConfig") -> dict[str, float]:
 
 def rank_bundle(cluster: "ClusterConfig") -> dict[str, float]:
     """One rank's bundle of a spread replica (see :func:`replica_bundles`)."""
-    from interlace.core import settings
-
     res = cluster.resources
     bundle = {"CPU": res.num_cpus, "GPU": float(res.num_gpus), **res.custom}
     if settings.device() == "cpu":

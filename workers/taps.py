@@ -414,7 +414,7 @@ class TappedSaves:
 def _tap_kernel():
     """tap_kernels (Triton), where this process can import it; else None (the torch path)."""
     try:
-        from interlace.workers import tap_kernels
+        from interlace.workers import tap_kernels  # imports Triton, which a CPU build may lack
     except ImportError:
         return None
     return tap_kernels
