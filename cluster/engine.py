@@ -312,14 +312,15 @@ async def start_async_engine(cfg: ModelConfig, **overrides: Any):
     # on an H100).
     latest: dict[str, Any] = {}
     kwargs = engine_args(cfg, **overrides)
-    if kwargs.get("distributed_executor_backend") == "ray" and settings.device() == "cpu":
+    cpu_ranks_on_ray = kwargs.get("distributed_executor_backend") == "ray" and settings.device() == "cpu"
+    if cpu_ranks_on_ray:
         os.environ[CPU_RAY_ENV] = CPU_RANK  # this process's and its engine core's plugin (workers/plugin.py)
     args = AsyncEngineArgs(**kwargs)
     with load_refusals_raised():
         # In a Ray actor vLLM takes the actor's placement group (a spread replica's bundles,
         # cluster/placement.py) and runtime environment for its Ray workers.
         vllm_config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
-        if kwargs.get("distributed_executor_backend") == "ray" and settings.device() == "cpu":
+        if cpu_ranks_on_ray:
             _cpu_ranks_on_ray(vllm_config.parallel_config)
         engine = AsyncLLM.from_vllm_config(vllm_config, usage_context=UsageContext.LLM_CLASS,
                                            stat_loggers=[_stats_keeper(latest)])

@@ -158,13 +158,9 @@ def check_fits_a_node(cluster: "ClusterConfig", nodes: list[dict] | None = None)
     for): there the same finding is a warning and the replica waits. ``nodes``: ``ray.nodes()``
     (read when None). Totals, not what is free now: a replica that fits a busy node waits for it.
     """
-    import ray
-
-    if nodes is None:
-        nodes = ray.nodes()
     need = replica_bundle(cluster)
-    alive = [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
-    if any(all(have.get(name, 0.0) >= amount for name, amount in need.items()) for have in alive):
+    alive = _alive(nodes)
+    if _largest_fit(need, alive):
         return
     largest = max(alive, key=lambda have: (have.get("GPU", 0.0), have.get("CPU", 0.0)), default={})
     model = cluster.model
@@ -189,13 +185,9 @@ def check_replicas_fit(cluster: "ClusterConfig", nodes: list[dict] | None = None
     On a joined cluster (an autoscaler may add nodes) the same finding is a warning. Each node
     holds as many whole replicas as its scarcest resource allows; a replica never spans nodes.
     ``nodes``: ``ray.nodes()`` (read when None). Totals, not what is free now."""
-    import ray
-
-    if nodes is None:
-        nodes = ray.nodes()
     need = replica_bundle(cluster)
-    alive = [node.get("Resources", {}) for node in nodes if node.get("Alive", node.get("alive"))]
-    room = sum(min(int(have.get(name, 0.0) / amount + 1e-9) for name, amount in need.items()) for have in alive)
+    alive = _alive(nodes)
+    room = sum(_count_fit(need, have) for have in alive)
     if room >= cluster.replicas:
         return
     total = {name: sum(have.get(name, 0.0) for have in alive) for name in need}

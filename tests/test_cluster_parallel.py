@@ -38,6 +38,17 @@ def two_stages(m):
     m.share("rows", last, merge="concat")  # one stage only: a concat's order across stages is by stage
 
 
+def two_stages_on(targets, invokes: int, max_tokens: int) -> list:
+    """The same trace of ``two_stages`` programs on each target (a cluster, a remote, a Model)."""
+    results = []
+    for target in targets:
+        with target.trace(max_tokens=max_tokens) as tr:
+            for i in range(invokes):
+                tr.invoke(f"Sample {i} of the sweep", program=two_stages)
+        results.append(tr.result)
+    return results
+
+
 # The machine's GPUs where it has any (each layout that fits runs on them), else 4 logical ones.
 GPUS = torch.cuda.device_count() or 4
 LAYOUTS = {name: layout for name, layout in {  # (TP, PP, replicas, GPUs per rank)
@@ -93,12 +104,7 @@ def test_every_stage_reports_once_and_results_equal_one_engine(parallel_cluster,
 def test_shared_values_merge_across_stages_and_replicas(parallel_cluster, llama):
     replicas = parallel_cluster.config.replicas
     before = [r["shards_served"] for r in parallel_cluster.replica_info()]
-    results = []
-    for target in (parallel_cluster, llama):
-        with target.trace(max_tokens=2) as tr:
-            for i in range(64):
-                tr.invoke(f"Sample {i} of the sweep", program=two_stages)
-        results.append(tr.result)
+    results = two_stages_on((parallel_cluster, llama), 64, max_tokens=2)
     after = [r["shards_served"] for r in parallel_cluster.replica_info()]
     assert [a - b for a, b in zip(after, before)] == [1] * replicas  # split: one shard on each replica
     got, want = results

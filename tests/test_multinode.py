@@ -28,7 +28,7 @@ import pytest
 import interlace
 from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
 from test_cluster import assert_same, build, reference
-from test_cluster_parallel import two_stages
+from test_cluster_parallel import two_stages_on
 from test_sweep import CLUSTER, assert_equals_model, free_ports, stop_private_ray, text_prompts, write_config, write_jsonl
 
 
@@ -115,13 +115,7 @@ def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(
     for got, want in zip(results, reference(llama, count)):
         assert_same(got, want)  # saves of stage 0 (this node) and stage 1 (the other node)
 
-    with spread_pp2.trace(max_tokens=2) as tr:  # shared values from both stages, merged once
-        for i in range(6):
-            tr.invoke(f"Sample {i} of the sweep", program=two_stages)
-    with llama.trace(max_tokens=2) as ref:
-        for i in range(6):
-            ref.invoke(f"Sample {i} of the sweep", program=two_stages)
-    assert_same(tr.result, ref.result)
+    assert_same(*two_stages_on((spread_pp2, llama), 6, max_tokens=2))  # shared values from both stages, merged once
 
     # Stage 1's reports came through Ray: one per intervened invoke of every trace above.
     intervened = sum(inv.intervened for t in traces for inv in t.invokes) + 6
@@ -148,13 +142,7 @@ def test_the_serve_app_spreads_its_engine_replica_over_two_nodes(two_nodes, llam
         remote = interlace.connect(serve_app.start(cfg))
         (table,) = [t for t in placement_group_table().values() if t["state"] == "CREATED"]
         assert len(table["bundles"]) == 2 and len(set(table["bundles_to_node_id"].values())) == 2
-        results = []
-        for target in (remote, llama):
-            with target.trace(max_tokens=3) as tr:
-                for i in range(4):
-                    tr.invoke(f"Sample {i} of the sweep", program=two_stages)
-            results.append(tr.result)
-        assert_same(*results)
+        assert_same(*two_stages_on((remote, llama), 4, max_tokens=3))
     finally:
         serve.shutdown()
 
