@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TakenSaves
+from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TakenSaves, TraceOwners
 from interlace.workers.slots import ALL_STEPS
 
 
@@ -61,6 +61,33 @@ def test_chunks_saved_together_taken_in_three_batches_each_get_their_rows():
         1: {"a": [1, 11, 8], "b": [101, 111]},
     }
     assert ledger.take("t", [0, 1, 2]).assemble() == [{}, {}, {}]
+
+
+def test_rows_saved_for_several_traces_at_once_go_to_each_trace_and_are_let_go_of_once():
+    """A server's one-invoke traces saving at the same graph tap are one gather per step for all
+    of them (taps.TappedSaves): each step's chunk is listed under every trace in it. Each trace
+    takes exactly its own invokes' rows whatever the order the traces finish in, a trace's take
+    leaves the chunks its other invoke still needs, and the ledger lets go of each chunk once,
+    in the last take."""
+    ledger = SaveLedger()
+    owners = np.array([5, 3, 8])  # slots of invokes of traces a, b, a (in batch order)
+    traces = TraceOwners.of(["a", "b", "a"])
+    assert TraceOwners.of(["a", "a"]) is None  # one trace: the usual chunks
+    released = []
+    original = ledger.release
+    ledger.release = lambda chunks: (released.extend(chunks), original(chunks))[1]
+    for step in range(3):
+        rows = torch.tensor([[1.0 + step], [2.0 + step], [3.0 + step]])
+        ledger.add(traces, [("h", rows)], owners=owners, starts=np.arange(3), stops=np.arange(1, 4), fresh=True)
+    [five] = ledger.take("a", [5]).assemble()  # trace a's first invoke; its second goes on
+    assert five["h"].flatten().tolist() == [1, 2, 3]
+    [three] = ledger.take("b", [3]).assemble()  # trace b ends
+    assert three["h"].flatten().tolist() == [2, 3, 4]
+    assert "b" not in ledger._chunks and not released  # trace a's invoke 8 still needs every chunk
+    [eight] = ledger.take("a", [8]).assemble()
+    assert eight["h"].flatten().tolist() == [3, 4, 5]
+    assert "a" not in ledger._chunks
+    assert len(released) == len({id(chunk) for chunk in released}) == 3  # each chunk once, all in the last take
 
 
 def test_rows_kept_on_the_device_give_their_room_back_once_every_holder_let_go():

@@ -572,7 +572,10 @@ def test_graph_taps_reach_the_engine_beside_the_users_own_additional_config():
 
 def test_a_cluster_replica_runs_ops_in_its_graph_taps_equal_to_one_engine(llama):
     """Taps travel with the model config: a Ray replica's engine (its processes load vLLM's plugins
-    themselves) runs the ops in them, with results equal to one engine's hooks."""
+    themselves) runs the ops in them, with results equal to one engine's hooks. Then a server's
+    traffic: one-invoke traces sent together, each with its own steering vector and a save at the
+    same tap (their saves are one gather per step for all of them, taps.TappedSaves), beside a
+    two-invoke trace saving there too: each gets its own rows, equal to running it alone."""
     import ray
 
     from interlace.cluster.config import ClusterConfig
@@ -588,6 +591,27 @@ def test_a_cluster_replica_runs_ops_in_its_graph_taps_equal_to_one_engine(llama)
             [[rank]] = cluster.step_counts()
             assert rank["taps"]["steps"] >= 5 and rank["graph_steps"] is None  # an eager CPU engine
             assert_same(got, run(llama, case))
+
+            prompts = ["The quick brown fox", "Hello there, my friend", "One two three", "Once upon a time",
+                       "It was a dark and stormy night"]
+            oplists = [[ops.add("layers.1.resid", vector(20 + i)), ops.save("layers.2.resid", tokens="last")]
+                       for i in range(len(prompts))]
+            traces = []
+            for prompt, oplist in zip(prompts, oplists):
+                tr = cluster.trace(max_tokens=6, ignore_eos=True)
+                tr.invoke(prompt, ops=oplist)
+                traces.append(tr)
+            pair = cluster.trace(max_tokens=6, ignore_eos=True)
+            for prompt in prompts[:2]:
+                pair.invoke(prompt, ops=[ops.save("layers.2.resid", tokens="last")])
+            traces.append(pair)
+            results = [future.result(timeout=300) for future in [cluster.submit(tr) for tr in traces]]
+            for tr, result in zip(traces, results):
+                with llama.trace(max_tokens=6, ignore_eos=True) as alone:
+                    for invoke in tr.invokes:
+                        alone.invoke(invoke.prompt, ops=invoke.ops)
+                assert_same(result, alone.result)
+                assert all(len(inv.saves["layers.2.resid"]) == 6 for inv in result.invokes)
         finally:
             cluster.close()
     finally:

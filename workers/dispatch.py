@@ -152,13 +152,14 @@ class PointDispatcher:
                                                       or not all(a[1] is b[1] for a, b in zip(last[0], tapped)))):
             last = memo["tapped groups"] = (tapped, self.taps.save_groups(tapped))
         for group in last[1]:
+            where = f"op save at {group.where}"
             try:
                 values = group.gather(self.taps)
                 self.save_rows(group.invokes, group.slots, list(zip(group.names, values)), group.starts, group.stops,
-                               fresh=True)
+                               fresh=True, traces=group.traces, where=where)
             except Exception as exc:  # noqa: BLE001
                 for inv in group.invokes:
-                    inv.fail(error_record(exc, where=f"op save at {group.where}"))
+                    inv.fail(error_record(exc, where=where))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
         split = self.tp.split(point.module, point.kind)

@@ -13,12 +13,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from interlace.workers.calls import ProgramCall
+from interlace.workers.calls import ProgramCall, error_record
 from interlace.workers.pipeline import HERE
 from interlace.workers.points import MAILBOX, ModuleTree, Point, short_name
 from interlace.workers.readonly import ReadOnlyTensor
 from interlace.workers.reports import ReportBatcher, write_now
-from interlace.workers.saves import HostRows, SaveLedger, host_copy
+from interlace.workers.saves import HostRows, SaveLedger, TraceOwners, host_copy
 from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, InvokeState, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
@@ -65,32 +65,47 @@ class ProgramServices:
             inv.save_steps.setdefault(name, []).append(step)
 
     def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, named: list[tuple[str, torch.Tensor]],
-                   starts: np.ndarray, stops: np.ndarray, fresh: bool = False) -> None:
+                   starts: np.ndarray, stops: np.ndarray, fresh: bool = False, traces: TraceOwners | None = None,
+                   where: str = "") -> None:
         """Record each ``(name, value)`` once for the whole group (invoke i owns rows
         ``starts[i]:stops[i]`` of every value); ``fresh``: copies made for this save (an op's
-        gathered rows), kept without another copy.
+        gathered rows), kept without another copy; ``traces``: the invokes are of several traces
+        (taps.TappedSaves), else all of ``invokes[0]``'s.
 
         The engine never waits here: rows stay on the device or are copied asynchronously (see
         saves.py). Every TP rank checks the limit, so an over-limit save fails the same way
-        everywhere; only the rank that reports keeps the rows.
+        everywhere; only the rank that reports keeps the rows. A save of one trace that goes
+        over raises (the caller fails the group); one of several fails the invokes that went
+        over (their rows are kept until they are reported, without counting against anything).
         """
         row_bytes = sum(math.prod(value.shape[1:]) * value.element_size() for _name, value in named)
-        used = self.slots.save_used[slots] + (stops - starts) * row_bytes
+        rows = stops - starts
+        used = self.slots.save_used[slots] + rows * row_bytes
         over = used > self.slots.save_limit[slots]
         if over.any():
-            inv = invokes[int(np.flatnonzero(over)[0])]
-            raise MemoryError(
-                f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
-                f"{_human_bytes(inv.max_save_bytes)} (raise max_save_bytes, or save less: "
-                "e.g. m.last(x) or a reduction)"
-            )
+            for j in np.flatnonzero(over).tolist() if traces is not None else [int(np.flatnonzero(over)[0])]:
+                inv = invokes[j]
+                error = MemoryError(
+                    f"saves of trace {inv.trace} invoke {inv.invoke} exceed the limit of "
+                    f"{_human_bytes(inv.max_save_bytes)} (raise max_save_bytes, or save less: "
+                    "e.g. m.last(x) or a reduction)"
+                )
+                if traces is None:
+                    raise error
+                inv.fail(error_record(error, where=where))
+            used = np.where(over, self.slots.save_used[slots], used)
         self.slots.save_used[slots] = used
         if self.rank["tp_rank"] == 0:
             # each owner's generation step (step 0: the prompt, chunks of it included), so that rows
             # of steps whose tokens vLLM did not return can be left out (Interleaver.finish)
             steps = np.maximum(self.slots.next_position[slots] - self.slots.prompt_len[slots], 0)
-            self.ledger.add(invokes[0].trace, named, slots, starts, stops, fresh, steps=steps)
-            self.reports.reserve_ahead(invokes[0], len(named[0][1]) * row_bytes)
+            self.ledger.add(traces or invokes[0].trace, named, slots, starts, stops, fresh, steps=steps)
+            if traces is None:
+                self.reports.reserve_ahead(invokes[0], len(named[0][1]) * row_bytes)
+                return
+            per_trace = np.bincount(traces.codes, weights=rows, minlength=len(traces.firsts)) * row_bytes
+            for first, nbytes in zip(traces.firsts, per_trace.tolist()):
+                self.reports.reserve_ahead(invokes[first], int(nbytes))
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):

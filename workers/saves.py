@@ -56,6 +56,32 @@ class SaveChunk:
     taken: np.ndarray | None = None  # which owners' rows were handed out (their slot may be reused)
     device_holds: int = 0  # holders of rows kept on the device (the ledger, reports): room given back at 0
     steps: np.ndarray | None = None  # each owner's generation step when saved (None: kept whatever the cut)
+    traces: TraceOwners | None = None  # owners of several traces (None: all of the trace it is listed under)
+
+
+@dataclass
+class TraceOwners:
+    """Which trace each owner of a save is in, for rows saved for several traces' invokes at once
+    (taps.TappedSaves: a server's one-invoke traces saving at the same tap, one gather per step)."""
+
+    codes: np.ndarray  # each owner's trace, as its number
+    numbers: dict[str, int]  # trace -> its number
+    firsts: list[int]  # each trace's first owner (index into the owners), by number
+
+    @classmethod
+    def of(cls, traces: list[str]) -> "TraceOwners | None":
+        """The owners' traces (None: all of one trace, the usual case)."""
+        numbers: dict[str, int] = {}
+        codes = np.fromiter((numbers.setdefault(trace, len(numbers)) for trace in traces), np.int64, len(traces))
+        if len(numbers) == 1:
+            return None
+        firsts = np.full(len(numbers), len(traces), dtype=np.int64)
+        np.minimum.at(firsts, codes, np.arange(len(traces)))
+        return cls(codes, numbers, firsts.tolist())
+
+    def mask(self, trace: str) -> np.ndarray:
+        """Which owners are in ``trace``."""
+        return self.codes == self.numbers[trace]
 
 
 def host_copy(value: torch.Tensor, pinned: PinnedSlabs | None = None
@@ -138,13 +164,15 @@ class SaveLedger:
         # torch.device, which this would do at every step
         self._device_streams: dict[int, torch.cuda.Stream] = {}
 
-    def add(self, trace: str, named: list[tuple[str, torch.Tensor]], owners: np.ndarray, starts: np.ndarray,
-            stops: np.ndarray, fresh: bool = False, steps: np.ndarray | None = None) -> None:
+    def add(self, trace: str | TraceOwners, named: list[tuple[str, torch.Tensor]], owners: np.ndarray,
+            starts: np.ndarray, stops: np.ndarray, fresh: bool = False, steps: np.ndarray | None = None) -> None:
         """Rows of each ``(name, value)`` for a group: owner ``owners[i]`` (a slot) has rows
         ``starts[i]:stops[i]`` of every value, saved at its generation step ``steps[i]``.
-        ``fresh``: the values were made for this save and nothing else refers to them (no copy
-        needed)."""
-        chunks = self._chunks[trace]
+        ``trace``: the owners' trace, or their traces (:class:`TraceOwners`: each chunk is listed
+        under each of them). ``fresh``: the values were made for this save and nothing else
+        refers to them (no copy needed)."""
+        traces = trace if isinstance(trace, TraceOwners) else None
+        chunks: list[SaveChunk] = [] if traces is not None else self._chunks[trace]
         first = named[0][1]
         if first.is_cuda and self._room.take(sum(value.nbytes for _name, value in named), first.device):
             stream = torch.cuda.current_stream(first.device)
@@ -152,14 +180,19 @@ class SaveLedger:
             for name, value in named:  # a snapshot unless fresh: later in-place kernels cannot change it
                 rows = value.detach() if fresh else value.detach().clone()
                 chunks.append(SaveChunk(name, rows, None, owners, starts, stops, len(owners), device_holds=1,
-                                        steps=steps))
-            return
-        for name, value in named:
-            if fresh and not value.is_cuda:  # a CPU copy made for this save: nothing to copy again
-                chunks.append(SaveChunk(name, value.detach(), None, owners, starts, stops, len(owners), steps=steps))
-                continue
-            rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
-            chunks.append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab, steps=steps))
+                                        steps=steps, traces=traces))
+        else:
+            for name, value in named:
+                if fresh and not value.is_cuda:  # a CPU copy made for this save: nothing to copy again
+                    chunks.append(SaveChunk(name, value.detach(), None, owners, starts, stops, len(owners),
+                                            steps=steps, traces=traces))
+                    continue
+                rows, ready, slab = host_copy(value, self._pinned)  # the ledger's hold on the slab
+                chunks.append(SaveChunk(name, rows, ready, owners, starts, stops, len(owners), slab, steps=steps,
+                                        traces=traces))
+        if traces is not None:
+            for each in traces.numbers:
+                self._chunks[each].extend(chunks)
 
     def retain(self, chunks: list[SaveChunk]) -> None:
         """One more holder of each chunk's memory (a report that will read it). A list at a
@@ -212,7 +245,8 @@ class SaveLedger:
         # (The entries hold the keys' arrays, so no id is reused while the loop runs.)
         selections: dict[tuple[int, int, int], tuple] = {}
         for chunk in chunks:
-            key = (id(chunk.owners), id(chunk.taken), id(chunk.steps))
+            # (steps only matter where some owner's saves are cut: each step's chunk has its own)
+            key = (id(chunk.owners), id(chunk.taken), id(chunk.steps) if keep_to is not None else 0)
             selection = selections.get(key)
             if selection is None:
                 mine = is_wanted[np.minimum(chunk.owners, past)]
@@ -221,17 +255,26 @@ class SaveLedger:
                 reported = mine  # of those, the rows reported: not those of steps past their owner's cut
                 if keep_to is not None and chunk.steps is not None:
                     reported = mine & (chunk.steps <= keep_to[np.minimum(chunk.owners, past)])
-                selection = selections[key] = (mine, np.count_nonzero(mine),
-                                               mine if chunk.taken is None else chunk.taken | mine,
-                                               reported, bool(reported.any()), chunk.owners, chunk.taken, chunk.steps)
-            mine, count, taken, reported, any_reported = selection[:5]
+                taken = mine if chunk.taken is None else chunk.taken | mine
+                # a chunk of several traces stays listed under this one while some of its owners
+                # of this trace are not taken (the owners array is its TraceOwners')
+                ours_left = chunk.traces is not None and bool((chunk.traces.mask(trace) & ~taken).any())
+                selection = selections[key] = (mine, np.count_nonzero(mine), taken, reported, bool(reported.any()),
+                                               ours_left, chunk.owners, chunk.taken, chunk.steps)
+            mine, count, taken, reported, any_reported, ours_left = selection[:6]
             if count:
                 if any_reported:
                     by_name[chunk.name].append((chunk, reported))
                     retained.append(chunk)  # the report's hold, released once it is written
                 chunk.pending -= count
                 chunk.taken = taken
-            if chunk.pending > 0:
+            if chunk.traces is not None:  # listed under each of its traces: the last take lets go of it
+                if chunk.pending > 0:
+                    if ours_left:
+                        kept.append(chunk)
+                elif count:
+                    released.append(chunk)
+            elif chunk.pending > 0:
                 kept.append(chunk)
             else:
                 released.append(chunk)  # the ledger's hold

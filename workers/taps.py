@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from interlace.workers.points import ModuleTree, device_index
+from interlace.workers.saves import TraceOwners
 from interlace.workers.tensor_parallel import ends_in_reduction
 
 _TAPS: "Taps | None" = None  # this process's taps (one model per vLLM worker process)
@@ -288,9 +289,13 @@ class Taps:
                 self._free_rows.append(self._vector_rows.pop(op["key"])[0])
 
     def save_groups(self, tapped: list) -> list["TappedSaves"]:
-        """The step's saves that ran in taps (the interleaver's (point, StepOp) list), grouped by
-        the rows they select: each group is one gather from :attr:`saved` per step. Made once per
-        epoch of decoding (the plans keep their StepOps for it)."""
+        """The step's saves that ran in taps (the interleaver's (point, StepOp) list), grouped so
+        that each group is one gather from :attr:`saved` per step: saves of the same rows first
+        (a sweep saving 4 layers' last token), then those groups that save the same taps under
+        the same names, whatever their trace (a server's one-invoke traces, each saving the last
+        token of one layer: one gather and one ledger entry per step for all of them, where a
+        group each cost 64 of both at every step). Made once per epoch of decoding (the plans
+        keep their StepOps for it)."""
         by_rows: dict[tuple[bytes, ...], list] = {}
         for entry in tapped:  # a plan's invokes belong to one trace
             step_op = entry[1]
@@ -300,8 +305,14 @@ class Taps:
         # groups of one trace (different rows) keeps that order only if nothing is regrouped.
         names = [{(m[1].invokes[0].trace, _name(m[1].op)) for m in members} for members in by_rows.values()]
         if sum(map(len, names)) != len(set().union(*names)):
-            return [TappedSaves([entry], self) for entry in tapped]
-        return [TappedSaves(members, self) for members in by_rows.values()]
+            return [TappedSaves([[entry]], self) for entry in tapped]
+        # Each (trace, name) is in one group now, so groups merged by what they save hold
+        # distinct invokes: each invoke's rows are in one part of the merged gather.
+        by_taps: dict[tuple, list[list]] = {}
+        for members in by_rows.values():
+            signature = tuple((point.module, _name(step_op.op)) for point, step_op in members)
+            by_taps.setdefault(signature, []).append(members)
+        return [TappedSaves(parts, self) for parts in by_taps.values()]
 
     # --- on the host, per step ------------------------------------------------------------------
 
@@ -385,22 +396,34 @@ class _Staged:
 
 
 class TappedSaves:
-    """Saves at several taps that select the same rows of the same invokes: one gather per step.
+    """Saves that select the same rows at the same taps under the same names, for the invokes of
+    one or more groups (``parts``, each a list of (point, StepOp) with the same rows, in the
+    same order of taps): one gather per step, and one entry in the save ledger.
 
     ``gather`` returns one fresh tensor per save (views of one [saves, rows, hidden] copy, or in a
-    forward wider than any graph one copy per save), in the order given."""
+    forward wider than any graph one copy per save), in the order given; invoke i of
+    :attr:`invokes` owns rows ``starts[i]:stops[i]`` of each. :attr:`traces` is None when every
+    invoke is of one trace, else which trace each invoke is of (the save ledger hands rows out
+    by trace)."""
 
-    def __init__(self, members: list, taps: Taps):
-        first = members[0][1]
-        self.invokes, self.slots, self.starts, self.stops = first.invokes, first.slots, first.starts, first.stops
+    def __init__(self, parts: list[list], taps: Taps):
+        firsts = [members[0][1] for members in parts]
+        self.invokes = [state for step_op in firsts for state in step_op.invokes]
+        self.slots = np.concatenate([step_op.slots for step_op in firsts])
+        offsets = np.cumsum([0] + [len(step_op.rows) for step_op in firsts[:-1]])
+        self.starts = np.concatenate([step_op.starts + offset for step_op, offset in zip(firsts, offsets)])
+        self.stops = np.concatenate([step_op.stops + offset for step_op, offset in zip(firsts, offsets)])
+        rows = np.concatenate([step_op.rows for step_op in firsts])
+        members = parts[0]
         self.names = [_name(step_op.op) for _point, step_op in members]
         self.where = ", ".join(sorted({str(point) for point, _step_op in members}))
+        self.traces = TraceOwners.of([state.trace for state in self.invokes])
         taps_of = np.array([taps.index[point.module] for point, _step_op in members], dtype=np.int64)
         self.taps_of = taps_of.tolist()
-        flat = (taps_of[:, None] * taps.saved.shape[1] + first.rows[None, :]).reshape(-1)  # rows of saved as [taps*tokens, hidden]
+        flat = (taps_of[:, None] * taps.saved.shape[1] + rows[None, :]).reshape(-1)  # rows of saved as [taps*tokens, hidden]
         self.index = device_index(torch.from_numpy(flat), taps.saved.device)  # a blocking copy would wait for the GPU
-        self.rows = device_index(torch.from_numpy(first.rows), taps.saved.device)  # of a wide forward's saves
-        self.shape = (len(members), len(first.rows), taps.hidden_size)
+        self.rows = device_index(torch.from_numpy(rows), taps.saved.device)  # of a wide forward's saves
+        self.shape = (len(members), len(rows), taps.hidden_size)
 
     def gather(self, taps: Taps) -> list[torch.Tensor]:
         with torch.inference_mode(False):  # normal tensors, as the hook path's saves are
