@@ -90,6 +90,36 @@ def test_rows_saved_for_several_traces_at_once_go_to_each_trace_and_are_let_go_o
     assert len(released) == len({id(chunk) for chunk in released}) == 3  # each chunk once, all in the last take
 
 
+def test_a_gather_on_the_device_copies_only_the_span_of_each_chunk_it_takes_rows_from():
+    """On a GPU one name's rows are concatenated and put in order there (saves._gather_on_device,
+    run here on host tensors, which takes the same steps): only each chunk's span that holds the
+    report's rows is concatenated, so a trace's report from chunks saved for many traces copies
+    its own rows, in order, and nothing else."""
+    from interlace.workers import saves
+
+    ledger = SaveLedger()
+    owners, traces = np.array([0, 1, 2, 3]), TraceOwners.of(["a", "b", "b", "c"])
+    for step in range(3):  # trace b's two invokes own rows 1-2 and 3-4 of each step's 6 rows
+        rows = torch.arange(6 * 2, dtype=torch.float32).reshape(6, 2) + 100 * step
+        ledger.add(traces, [("x", rows)], owners=owners, starts=np.array([0, 1, 3, 5]), stops=np.array([1, 3, 5, 6]))
+    taken = ledger.take("b", [2, 1])
+    plan = saves._plan(taken.parts["x"], taken.wanted)
+    assert saves._spans(plan.row_chunk, plan.row_source, len(plan.chunks))[0].tolist() == [1, 1, 1]
+    out = torch.empty(plan.shape)
+    concatenated = []
+    cat = torch.cat
+    try:
+        torch.cat = lambda tensors: (concatenated.extend(len(t) for t in tensors), cat(tensors))[1]
+        saves._gather_on_device(plan, out)
+    finally:
+        torch.cat = cat
+    assert concatenated == [4, 4, 4]  # rows 1-4 of each 6-row chunk
+    two, one = plan.views(out)[0], plan.views(out)[1]
+    step_rows = lambda a, b: torch.cat([torch.arange(2 * a, 2 * b, dtype=torch.float32).reshape(-1, 2) + 100 * s
+                                        for s in range(3)])
+    assert torch.equal(two, step_rows(3, 5)) and torch.equal(one, step_rows(1, 3))
+
+
 def test_rows_kept_on_the_device_give_their_room_back_once_every_holder_let_go():
     """The ledger and each report hold a device chunk; holds are taken and given back a list at a
     time, and a chunk's bytes return to the device room with its last holder (checked here on

@@ -424,11 +424,26 @@ def _after_engine(ready: DeviceReady | None):
 def _gather_on_device(plan: "_Gather", out: torch.Tensor) -> None:
     """One name's rows, all on the GPU: the chunks concatenated and put in order there (two
     kernels and one index upload, whatever the number of chunks), then moved into ``out`` on the
-    host (one copy, or one per pinned slice of a report file), which waits for them."""
-    rows = torch.cat([chunk.rows for chunk in plan.chunks])
-    sizes = np.array([len(chunk.rows) for chunk in plan.chunks], dtype=np.int64)
-    order = (np.cumsum(sizes) - sizes)[plan.row_chunk] + plan.row_source  # each destination row's source
+    host (one copy, or one per pinned slice of a report file), which waits for them.
+
+    Of each chunk only the span that holds rows wanted here is concatenated: a chunk saved for a
+    server's many one-invoke traces at once (taps.TappedSaves) holds every trace's rows, and each
+    trace's report takes its own (at 64 clients, 1/64 of every chunk)."""
+    lo, hi = _spans(plan.row_chunk, plan.row_source, len(plan.chunks))
+    rows = torch.cat([chunk.rows[a:b] for chunk, a, b in zip(plan.chunks, lo.tolist(), hi.tolist())])
+    sizes = hi - lo
+    order = (np.cumsum(sizes) - sizes - lo)[plan.row_chunk] + plan.row_source  # each destination row's source
     copy_to_host(out, rows.index_select(0, device_index(torch.from_numpy(order), rows.device)), wait=False)
+
+
+def _spans(row_chunk: np.ndarray, row_source: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each chunk's first and past-the-last row that some destination row comes from (0, 0 for a
+    chunk none comes from)."""
+    lo = np.full(chunks, np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.zeros(chunks, dtype=np.int64)
+    np.minimum.at(lo, row_chunk, row_source)
+    np.maximum.at(hi, row_chunk, row_source + 1)
+    return np.minimum(lo, hi), hi
 
 
 _COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 2))  # of the cores this process may use
