@@ -224,7 +224,9 @@ class TestStrictEndpoint:
         engine = _engine_handle()
         before = engine.info.remote().result()
         processes = [psutil.Process(pid) for pid in [before["pid"], *before["engine_pids"]]]
-        body = {"invokes": [{"prompt": "Stream through a fault", "ops": SAVE}], "max_tokens": 480,
+        # long enough to be killed mid-stream, and to finish well inside MAX_TRACE_S once replaced
+        # on a slow day (480 tokens took past 4 s on the 2-core machine on 2026-11-29)
+        body = {"invokes": [{"prompt": "Stream through a fault", "ops": SAVE}], "max_tokens": 240,
                 "sampling": {"ignore_eos": True}}
         killed = []
 

@@ -88,14 +88,22 @@ class Ingress:
         self.tokens = Tokens.load(self.config.auth)
         self.engine, self.state = engine, SharedState(state)
         self._tree = None
+        self._ready: asyncio.Future | None = None  # the engine's ready call under way (_module_tree)
         self._model_names: list[str] = []
         self._background: set[asyncio.Task] = set()  # asynchronous traces running in this replica
 
     # --- helpers ---------------------------------------------------------------------------
 
     async def _module_tree(self):
+        """The model's module names, from an engine replica's ``ready`` (which starts its engine).
+        One call at a time, shared by every caller (each waits without cancelling it): /readyz
+        is polled every few seconds while an engine starts, for tens of seconds, and a call per
+        poll piled requests onto the starting replica, which Serve's autoscaler took for load
+        and answered with a second replica before any traffic came."""
         if self._tree is None:
-            info = await self.engine.ready.remote()
+            if self._ready is None or (self._ready.done() and (self._ready.cancelled() or self._ready.exception())):
+                self._ready = asyncio.ensure_future(self.engine.ready.remote())
+            info = await asyncio.shield(self._ready)
             self._model_names = info["module_names"]
             self._tree = ModuleTree(names=self._model_names)
         return self._tree
