@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import platform
@@ -258,17 +259,44 @@ def _import_program(intervention: SweepIntervention, base_dir: str | Path | None
 
 def _run_pending(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[int], manifest: dict,
                  out: SweepStore, progress: "_Progress") -> None:
-    # No progress bars: ours is the progress line. Dispatch once every replica's engine is up:
-    # otherwise the first one up takes all the shards while the others are still starting. A
-    # replica whose engine fails to start (killed, out of memory) tries again in its actor: Ray
-    # Data's default fails the whole sweep at the first constructor error.
-    with _data_context(enable_progress_bars=False, wait_for_min_actors_s=_WAIT_FOR_REPLICAS_S,
-                       actor_init_retry_on_errors=True, actor_init_max_retries=_ENGINE_START_RETRIES):
-        _stream(cfg, plan, rows, pending, manifest, out, progress)
+    """Stream the pending shards through the replicas' pool. A node that leaves mid-run can fail
+    the whole stream, not only its shards: Ray retries a call to an actor on it a few times, at
+    once, and Ray Data gives up on the dataset when they are spent, while the cluster may take
+    longer to notice that the node is gone (its raylet's health checks) and restart the actor
+    elsewhere. Then the shards not yet committed are streamed again, as a rerun would resume
+    them (the commits on disk are the truth), up to ``cluster.max_retries`` times."""
+    import ray
+
+    for attempt in itertools.count(1):
+        # No progress bars: ours is the progress line. Dispatch once every replica's engine is up:
+        # otherwise the first one up takes all the shards while the others are still starting. A
+        # replica whose engine fails to start (killed, out of memory) tries again in its actor:
+        # Ray Data's default fails the whole sweep at the first constructor error.
+        with _data_context(enable_progress_bars=False, wait_for_min_actors_s=_WAIT_FOR_REPLICAS_S,
+                           actor_init_retry_on_errors=True, actor_init_max_retries=_ENGINE_START_RETRIES):
+            try:
+                _stream(cfg, plan, rows, pending, manifest, out, progress, again=attempt > 1)
+                return
+            except ray.exceptions.RayActorError as exc:
+                if attempt > cfg.cluster.max_retries:
+                    raise
+                why = str(exc).splitlines()[0][:200]
+        done = committed_shards(out, manifest["counts"]["shards"])
+        for shard, record in sorted(done.items()):  # committed by a replica that died before it answered
+            if str(shard) not in manifest["shards"]:
+                manifest["shards"][str(shard)] = record
+                progress.add(record)
+        pending = [shard for shard in pending if shard not in done]
+        if not pending:
+            return
+        progress.echo(f"a replica was lost ({why}); streaming the {len(pending)} shards not committed again "
+                      f"(retry {attempt} of {cfg.cluster.max_retries})", False)
 
 
 def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[int], manifest: dict,
-            out: SweepStore, progress: "_Progress") -> None:
+            out: SweepStore, progress: "_Progress", again: bool = False) -> None:
+    """``again``: a stream after a lost replica, which starts with the replicas the cluster can
+    hold now (a pool of a fixed size would wait for one on the lost node) and grows back."""
     import cloudpickle
     import ray.data
 
@@ -279,7 +307,8 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
         ShardRunner, batch_size=1, fn_constructor_kwargs={"plan": plan},
         # True multi-threading: without it Ray Data runs one call of the UDF at a time per actor, and
         # the engine idled while each shard's files were written (0.38x plain prefill on an H100).
-        compute=ray.data.ActorPoolStrategy(size=cfg.cluster.replicas, max_tasks_in_flight_per_actor=cfg.shards_in_flight,
+        compute=ray.data.ActorPoolStrategy(min_size=1 if again else cfg.cluster.replicas, max_size=cfg.cluster.replicas,
+                                           max_tasks_in_flight_per_actor=cfg.shards_in_flight,
                                            max_concurrent_calls_per_actor=cfg.shards_in_flight,
                                            enable_true_multi_threading=True),
         ray_remote_args_fn=_slot_args(cfg), **_actor_resources(cfg))
