@@ -3,7 +3,7 @@
 
 Each process must exit promptly with its documented status and no Ray stack dump; every process it
 started (Ray's head, workers and agents, the replica actors, their engines) must end, and so must
-the replicas' report folders and their janitors. The SIGTERMed sweep resumes like a killed one.
+the replicas' report folders and their janitors. The SIGTERMed sweep resumes, and so does a SIGKILLed one.
 One subprocess runs at a time (one Ray, one engine).
 """
 
@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 import interlace
-from test_sweep import assert_equals_model, shard_mtimes, text_prompts, write_config, write_jsonl
+from test_sweep import RAY_AGENTS, assert_equals_model, shard_mtimes, text_prompts, write_config, write_jsonl
 
 TOKEN = "sigterm-token-0123456789abcdef"
 TOKENS = json.dumps({"tokens": [{"name": "t", "token": TOKEN, "role": "code"}]})
@@ -264,10 +264,14 @@ def test_sigterm_to_a_cluster_script_closes_the_cluster(tmp_path):
     assert_left_nothing(family, folders)
 
 
-# --- interlace sweep: its pool stopped, exit 143, and a rerun resumes like after a kill ---------------
+# --- interlace sweep: SIGTERM stops it (exit 143), a rerun resumes, is SIGKILLed, and the next completes ---
 
 
-def test_sigterm_stops_interlace_sweep_and_a_rerun_resumes(tmp_path, llama):
+def test_sigterm_stops_interlace_sweep_a_killed_rerun_leaves_nothing_and_each_resume_keeps_what_was_done(tmp_path, llama):
+    """One sweep, three runs: the first is stopped by SIGTERM (a clean stop, the manifest says so);
+    the second resumes and is SIGKILLed (no clean-up code runs: every process it started must still
+    end); the third completes. Each prompt once, committed shards never written again, the output
+    equal to one engine's. (One test for both stops: each run starts Ray and an engine afresh.)"""
     prompts = text_prompts(60)
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
     path = write_config(tmp_path, "sweep", cluster={"model": "tiny-llama", "replicas": 1, "cpu_cores": [[0]]},
@@ -275,9 +279,13 @@ def test_sigterm_stops_interlace_sweep_and_a_rerun_resumes(tmp_path, llama):
                         generation={"max_tokens": 3},
                         intervention={"ops": [{"op": "save", "point": "layers.3.resid", "name": "r3", "tokens": "last"}]})
     out = tmp_path / "out"
+
+    def committed() -> set[int]:
+        return {json.loads(p.read_text())["shard"] for p in out.glob("shard-*.json")}
+
     driver = Driver(["-m", "interlace", "sweep", str(path)], tmp_path)
     try:
-        driver.wait_for(lambda: len(list(out.glob("shard-*.json"))) >= 3, "3 shards committed", timeout_s=240)
+        driver.wait_for(lambda: len(committed()) >= 3, "3 shards committed", timeout_s=240)
         family = driver.family()
         folders = report_folders(family)
         assert len(folders) == 1, folders  # the shard runner's replica's
@@ -292,15 +300,34 @@ def test_sigterm_stops_interlace_sweep_and_a_rerun_resumes(tmp_path, llama):
     assert_left_nothing(family, folders)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"].startswith("stopped: SIGTERM")
-    committed = {json.loads(p.read_text())["shard"] for p in out.glob("shard-*.json")}
-    assert 3 <= len(committed) < 15
-    assert set(map(int, manifest["shards"])) <= committed  # the manifest names committed shards only
-    kept = {n: t for n, t in shard_mtimes(out).items() if int(n[6:11]) in committed}
+    first = committed()
+    assert 3 <= len(first) < 15
+    assert set(map(int, manifest["shards"])) <= first  # the manifest names committed shards only
+    kept = {n: t for n, t in shard_mtimes(out).items() if int(n[6:11]) in first}
 
-    rerun = subprocess.run([sys.executable, "-m", "interlace", "sweep", str(path)], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=400, env={**os.environ, "RAY_ADDRESS": "", "VLLM_LOGGING_LEVEL": "ERROR"})
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"({len(committed)} kept from before)" in rerun.stderr
+    rerun = Driver(["-m", "interlace", "sweep", str(path)], tmp_path)
+    try:
+        rerun.wait_for(lambda: len(committed()) >= len(first) + 2, "2 more shards committed", timeout_s=240)
+        family = rerun.family()
+        folders = report_folders(family)
+        rerun.proc.send_signal(signal.SIGKILL)
+        rerun.proc.wait()
+    finally:
+        rerun.kill()
+    # Ray's own node agents outlive a killed head by a while; every other process (raylet, workers,
+    # the shard actor, its engine) must end, and the replica's report folder with its janitor.
+    assert_left_nothing({p: n for p, n in family.items() if n not in RAY_AGENTS}, folders)
+    for proc in family:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    second = committed()
+    assert second < set(range(15)) and first < second
+    kept.update({n: t for n, t in shard_mtimes(out).items() if int(n[6:11]) in second - first})
+
+    last = subprocess.run([sys.executable, "-m", "interlace", "sweep", str(path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=400, env={**os.environ, "RAY_ADDRESS": "", "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert f"({len(second)} kept from before)" in last.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and len(manifest["shards"]) == 15
     assert {n: t for n, t in shard_mtimes(out).items() if n in kept} == kept
