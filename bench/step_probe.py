@@ -11,7 +11,7 @@ PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each
 microseconds per call, which inflates the finer phases).
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
-       [--graphs] [--taps] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
+       [--graphs] [--taps] [--kv-gib G] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
        [--blocking-sync] [--timeline]
 Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
 the machine may drift between runs minutes apart, so compare a case with its own variants.
@@ -523,6 +523,8 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true",
                         help="a compiled engine with CUDA graphs (enforce_eager=False) whose ops cases' points are graph "
                              "taps: steps with programs run eager")
+    parser.add_argument("--kv-gib", type=float, default=None,
+                        help="KV cache per rank in GiB (as runner_bench's): small enough and vLLM preempts")
     parser.add_argument("--taps", action="store_true",
                         help="the ops cases' points are graph taps (implied by --graphs; on a CPU, taps run in the eager forward)")
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",

@@ -24,13 +24,26 @@ def test_a_recomputed_chunk_gets_each_invokes_own_rows_at_their_positions():
 
     # invoke 0 recomputed from position 1 (position 0 still in the prefix cache), its chunk at batch row 10
     got = replay_writes(log0, first=1, stop=4, start_row=10)
-    assert [(p, row, n) for p, row, n, _v in got] == [(RESID, 10, 2), (RESID, 12, 1), (OUT, 12, 1)]
-    assert got[0][3].flatten().tolist() == [1.0] * 4 + [2.0] * 4
-    assert got[1][3].flatten().tolist() == [9.0] * 4
-    assert got[2][3][1] is None and got[2][3][0].flatten().tolist() == [7.0] * 4
+    # positions 1-2 of step 0 and 3 of step 1 follow each other: one write of 3 rows
+    assert [(p, row, n) for p, row, n, _v in got] == [(RESID, 10, 3), (OUT, 12, 1)]
+    assert got[0][3].flatten().tolist() == [1.0] * 4 + [2.0] * 4 + [9.0] * 4
+    assert got[1][3][1] is None and got[1][3][0].flatten().tolist() == [7.0] * 4
     [(_p, row, n, value)] = replay_writes(log1, first=0, stop=2, start_row=0)
     assert (row, n) == (0, 2) and value[:, 0].tolist() == [3.0, 4.0]
     assert replay_writes(log0, first=4, stop=4, start_row=0) == []  # nothing recomputed: nothing replayed
+
+
+def test_decode_steps_logged_a_row_at_a_time_come_back_as_one_write_per_run_of_positions():
+    """A recomputed request gets one write per run of consecutive positions, not one per decode
+    step; a position the log lacks (never written) ends a run, in order."""
+    log = WriteLog(1 << 20)
+    log.record(RESID, 0, Written(torch.zeros(4, 2), 4, None), 0, 4, 32, step=0)  # the prompt
+    for pos in [*range(4, 40), *range(41, 50)]:  # a decode step each; position 40 not written
+        log.record(RESID, pos, Written(torch.full((3, 2), float(pos)), 3, None), 1, 2, 8, step=pos - 3)
+    got = replay_writes(log, first=2, stop=45, start_row=7)
+    assert [(row, n) for _p, row, n, _v in got] == [(7, 38), (46, 4)]
+    assert got[0][3][:, 0].tolist() == [0.0, 0.0, *map(float, range(4, 40))]
+    assert got[1][3][:, 1].tolist() == [41.0, 42.0, 43.0, 44.0]
 
 
 def test_past_its_limit_a_log_is_dropped_and_says_where():

@@ -51,16 +51,37 @@ class Written:
         self.hold = hold  # shared by the Written of one host copy: its pinned slabs go back with the last
 
 
+class PointLog:
+    """One invoke's logged writes at one point, in the order made: entry i is rows
+    ``starts[i]:stops[i]`` of ``written[i]``, at positions from ``firsts[i]``. Columns, not a tuple
+    per entry: a decode step logs an entry per invoke, and half a million tuples alive in 1,024
+    invokes' logs made Python's full collections take 180 ms each, 2.7 s of a 45 s run (1B shape,
+    one H200, 2026-11-29)."""
+
+    __slots__ = ("firsts", "written", "starts", "stops")
+
+    def __init__(self):
+        self.firsts: list[int] = []
+        self.written: list[Written] = []
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+
+    def __iter__(self):
+        return zip(self.firsts, self.written, self.starts, self.stops)
+
+    def __len__(self) -> int:
+        return len(self.firsts)
+
+
 class WriteLog:
-    """One invoke's writes to token points, by point, each as (first position, rows start:stop
-    of a :class:`Written`)."""
+    """One invoke's writes to token points, by point (:class:`PointLog`)."""
 
     __slots__ = ("limit", "bytes", "entries", "overflow")
 
     def __init__(self, limit_bytes: int):
         self.limit = limit_bytes
         self.bytes = 0
-        self.entries: dict[Point, list[tuple[int, Written, int, int]]] = {}
+        self.entries: dict[Point, PointLog] = {}
         self.overflow: str | None = None  # why the log was dropped (then it holds nothing)
 
     @property
@@ -83,16 +104,26 @@ class WriteLog:
         self.bytes += full_bytes
         entries = self.entries.get(point)
         if entries is None:
-            entries = self.entries[point] = []
-        entries.append((first, written, start, stop))
+            entries = self.entries[point] = PointLog()
+        entries.firsts.append(first)
+        entries.written.append(written)
+        entries.starts.append(start)
+        entries.stops.append(stop)
 
 
 def replay_writes(log: WriteLog, first: int, stop: int, start_row: int) -> list[tuple[Point, int, int, Any]]:
     """The logged writes to replay on a recomputed chunk: positions ``first:stop`` (those computed
     before the preemption), whose first row is ``start_row`` of the flat batch. Returns
-    ``(point, batch row, rows, value)`` in the order they were made; ``value`` holds ``rows`` rows."""
+    ``(point, batch row, rows, value)`` in the order they were made; ``value`` holds ``rows`` rows.
+
+    Writes of one point at consecutive positions come back as one (their rows joined on the host):
+    a decode step logs one row per invoke, and writing back a recomputed request of 400 tokens row
+    by row took 400 copies to the GPU and 1,200 small kernels; steps recomputing 16k tokens then ran
+    460-500 ms against 21 ms (1B shape, one H200, 2026-11-29)."""
     out = []
     for point, entries in log.entries.items():
+        run: list[tuple[Any, int]] = []  # consecutive rows not yet emitted: (value, its token dim)
+        run_lo = run_hi = 0
         for at, written, start, stop_row in entries:
             lo, hi = max(first, at), min(stop, at + stop_row - start)
             if lo >= hi:
@@ -100,8 +131,22 @@ def replay_writes(log: WriteLog, first: int, stop: int, start_row: int) -> list[
             if written.ready is not None:
                 written.ready.synchronize()
             rows = token_rows(written.value, written.num_rows, start + lo - at, start + hi - at)
-            out.append((point, start_row + lo - first, hi - lo, rows))
+            dim = _token_dim(written.value, written.num_rows) if isinstance(written.value, torch.Tensor) else None
+            if run and lo == run_hi and dim == 0 and run[-1][1] == 0:
+                run.append((rows, dim))
+                run_hi = hi
+                continue
+            if run:
+                out.append((point, start_row + run_lo - first, run_hi - run_lo, _joined(run)))
+            run, run_lo, run_hi = [(rows, dim)], lo, hi
+        if run:
+            out.append((point, start_row + run_lo - first, run_hi - run_lo, _joined(run)))
     return out
+
+
+def _joined(run: list[tuple[Any, int | None]]) -> Any:
+    """One value of a run's rows (only tensors whose rows are dim 0 are ever joined)."""
+    return run[0][0] if len(run) == 1 else torch.cat([rows for rows, _dim in run])
 
 
 def token_rows(value: Any, num_rows: int, start: int, stop: int) -> Any:
