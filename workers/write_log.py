@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from interlace.workers.points import Point
@@ -122,14 +123,16 @@ def replay_writes(log: WriteLog, first: int, stop: int, start_row: int) -> list[
     460-500 ms against 21 ms (1B shape, one H200, 2026-11-29)."""
     out = []
     for point, entries in log.entries.items():
-        run: list[tuple[Any, int]] = []  # consecutive rows not yet emitted: (value, its token dim)
+        ats = np.asarray(entries.firsts)  # which entries overlap first:stop, for all at once
+        starts, stops = np.asarray(entries.starts), np.asarray(entries.stops)
+        los, his = np.maximum(ats, first), np.minimum(ats + (stops - starts), stop)
+        run: list[tuple[Any, int | None]] = []  # consecutive rows not yet emitted: (value, its token dim)
         run_lo = run_hi = 0
-        for at, written, start, stop_row in entries:
-            lo, hi = max(first, at), min(stop, at + stop_row - start)
-            if lo >= hi:
-                continue
-            if written.ready is not None:
+        for i in np.flatnonzero(los < his).tolist():
+            written, at, start, lo, hi = entries.written[i], entries.firsts[i], entries.starts[i], int(los[i]), int(his[i])
+            if written.ready is not None:  # a batched call's invokes share it: waited for once
                 written.ready.synchronize()
+                written.ready = None
             rows = token_rows(written.value, written.num_rows, start + lo - at, start + hi - at)
             dim = _token_dim(written.value, written.num_rows) if isinstance(written.value, torch.Tensor) else None
             if run and lo == run_hi and dim == 0 and run[-1][1] == 0:
