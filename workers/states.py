@@ -136,9 +136,14 @@ class CallContext:
     def __post_init__(self):
         self.invokes = self.members.states
         self.lengths = self.members.stops - self.members.starts
-        self.num_rows = int(self.lengths.sum())
-        self.local_stops = np.cumsum(self.lengths)  # invoke j's rows of the values this call reads
-        self.local_starts = self.local_stops - self.lengths
+        if len(self.lengths) == 1:  # a program per invoke: 256 calls a step, and numpy's sum and
+            self.num_rows = int(self.lengths[0])  # cumsum of one number cost 7 us more a call
+            self.local_stops = self.lengths.copy()
+            self.local_starts = np.zeros_like(self.lengths)
+        else:
+            self.num_rows = int(self.lengths.sum())
+            self.local_stops = np.cumsum(self.lengths)  # invoke j's rows of the values this call reads
+            self.local_starts = self.local_stops - self.lengths
         self.holds = Holdings()  # what the program read this step, and whether it may still write it
 
     # Built only when asked for (a sweep's call would otherwise build 256 of each per step)
