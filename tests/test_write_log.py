@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from interlace.workers.points import Point
-from interlace.workers.write_log import Written, WriteLog, replay_writes
+import numpy as np
+
+from interlace.workers.write_log import Written, WriteLog, record_rows, replay_writes
 
 RESID = Point("model.layers.1", "resid")
 OUT = Point("model.layers.2.mlp", "output")
@@ -55,3 +57,19 @@ def test_past_its_limit_a_log_is_dropped_and_says_where():
     assert "INTERLACE_REPLAY_LOG_MIB" in log.overflow and "layers.1.resid, step 1" in log.overflow
     log.record(RESID, 4, Written(torch.zeros(1, 4), 1, None), 0, 1, 16, step=2)  # nothing kept from then on
     assert log.entries == {}
+
+
+def test_a_calls_rows_logged_in_one_pass_equal_logging_each_invoke_and_one_past_its_limit_drops_only_its_own():
+    written = Written(torch.arange(6.0)[:, None].repeat(1, 4), 6, None)
+    firsts, starts, stops = np.array([5, 0, 9]), np.array([0, 1, 3]), np.array([1, 3, 6])  # 1, 2 and 3 rows
+    each = [WriteLog(40), WriteLog(40), WriteLog(40)]
+    for log, first, a, b, step in zip(each, firsts.tolist(), starts.tolist(), stops.tolist(), [5, 0, 7]):
+        log.record(RESID, first, written, a, b, 16 * (b - a), step)
+    at_once = [WriteLog(40), None, WriteLog(40), WriteLog(40)]
+    record_rows(at_once[:1] + at_once[2:], RESID, firsts, written, starts, stops, 16, [5, 0, 7])
+    for one, other in zip(each, at_once[:1] + at_once[2:]):
+        assert (one.bytes, one.overflow) == (other.bytes, other.overflow)
+        assert [list(e) for e in one.entries.values()] == [list(e) for e in other.entries.values()]
+    assert not at_once[3].replayable and "step 7" in at_once[3].overflow  # 48 bytes past 40: its own log only
+    assert at_once[0].replayable and at_once[2].replayable
+    record_rows([at_once[1]], RESID, firsts[:1], written, starts[:1], stops[:1], 16, [5])  # None: nothing kept

@@ -30,7 +30,7 @@ from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.tp_agreement import agree_on_paths
-from interlace.workers.write_log import Written, row_bytes
+from interlace.workers.write_log import Written, record_rows, row_bytes
 
 
 class PointDispatcher:
@@ -133,11 +133,8 @@ class PointDispatcher:
                     held.written = None
                     written = Written(value, ctx.num_rows, ready, hold)
                     per_row = row_bytes(held.value, ctx.num_rows)  # whole values: every TP rank counts alike
-                    steps = ctx.steps
-                    for j, (state, first, a, b) in enumerate(zip(ctx.invokes, ctx.members.firsts.tolist(),
-                                                                 ctx.local_starts.tolist(), ctx.local_stops.tolist())):
-                        if state.writes is not None:
-                            state.writes.record(point, first, written, a, b, per_row * (b - a), steps[j])
+                    record_rows([state.writes for state in ctx.invokes], point, ctx.members.firsts, written,
+                                ctx.local_starts, ctx.local_stops, per_row, ctx.steps)
             except Exception as exc:  # noqa: BLE001
                 for call, _ctx, _held in writers:
                     call.error = call.error or error_record(exc, where=f"logging the program's writes at {call.view.where()}")

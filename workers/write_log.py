@@ -112,6 +112,29 @@ class WriteLog:
         entries.stops.append(stop)
 
 
+def record_rows(logs: list[WriteLog | None], point: Point, firsts: np.ndarray, written: Written,
+                starts: np.ndarray, stops: np.ndarray, per_row: int, steps: list[int]) -> None:
+    """:meth:`WriteLog.record` for each invoke of one call in one pass (invoke j: rows
+    ``starts[j]:stops[j]`` of ``written`` at positions from ``firsts[j]``; None: keeps no log). A
+    batched call over 1,024 invokes logs every step, and a method call per invoke cost 2 ms a step
+    on a 2-core CPU (half that in this loop)."""
+    sizes = (per_row * (stops - starts)).tolist()
+    for log, first, start, stop, size, step in zip(logs, firsts.tolist(), starts.tolist(), stops.tolist(), sizes, steps):
+        if log is None or log.overflow is not None:
+            continue
+        if log.bytes + size > log.limit:
+            log.record(point, first, written, start, stop, size, step)  # drops the log, saying where
+            continue
+        log.bytes += size
+        entries = log.entries.get(point)
+        if entries is None:
+            entries = log.entries[point] = PointLog()
+        entries.firsts.append(first)
+        entries.written.append(written)
+        entries.starts.append(start)
+        entries.stops.append(stop)
+
+
 def replay_writes(log: WriteLog, first: int, stop: int, start_row: int) -> list[tuple[Point, int, int, Any]]:
     """The logged writes to replay on a recomputed chunk: positions ``first:stop`` (those computed
     before the preemption), whose first row is ``start_row`` of the flat batch. Returns
