@@ -66,10 +66,11 @@ def test_a_calls_rows_logged_in_one_pass_equal_logging_each_invoke_and_one_past_
     for log, first, a, b, step in zip(each, firsts.tolist(), starts.tolist(), stops.tolist(), [5, 0, 7]):
         log.record(RESID, first, written, a, b, 16 * (b - a), step)
     at_once = [WriteLog(40), None, WriteLog(40), WriteLog(40)]
-    record_rows(at_once[:1] + at_once[2:], RESID, firsts, written, starts, stops, 16, [5, 0, 7])
+    record_rows(at_once[:1] + at_once[2:], RESID, firsts.tolist(), written, starts.tolist(), stops.tolist(),
+                (16 * (stops - starts)).tolist(), [5, 0, 7])
     for one, other in zip(each, at_once[:1] + at_once[2:]):
         assert (one.bytes, one.overflow) == (other.bytes, other.overflow)
         assert [list(e) for e in one.entries.values()] == [list(e) for e in other.entries.values()]
     assert not at_once[3].replayable and "step 7" in at_once[3].overflow  # 48 bytes past 40: its own log only
     assert at_once[0].replayable and at_once[2].replayable
-    record_rows([at_once[1]], RESID, firsts[:1], written, starts[:1], stops[:1], 16, [5])  # None: nothing kept
+    record_rows([at_once[1]], RESID, [5], written, [0], [1], [16], [5])  # None: nothing kept

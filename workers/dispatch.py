@@ -133,8 +133,9 @@ class PointDispatcher:
                     held.written = None
                     written = Written(value, ctx.num_rows, ready, hold)
                     per_row = row_bytes(held.value, ctx.num_rows)  # whole values: every TP rank counts alike
-                    record_rows([state.writes for state in ctx.invokes], point, ctx.members.firsts, written,
-                                ctx.local_starts, ctx.local_stops, per_row, ctx.steps)
+                    record_rows([state.writes for state in ctx.invokes], point, ctx.members.firsts.tolist(), written,
+                                ctx.local_starts.tolist(), ctx.local_stops.tolist(), (per_row * ctx.lengths).tolist(),
+                                ctx.steps)
             except Exception as exc:  # noqa: BLE001
                 for call, _ctx, _held in writers:
                     call.error = call.error or error_record(exc, where=f"logging the program's writes at {call.view.where()}")

@@ -70,9 +70,6 @@ class PointLog:
     def __iter__(self):
         return zip(self.firsts, self.written, self.starts, self.stops)
 
-    def __len__(self) -> int:
-        return len(self.firsts)
-
 
 class WriteLog:
     """One invoke's writes to token points, by point (:class:`PointLog`)."""
@@ -94,36 +91,27 @@ class WriteLog:
         """Keep rows ``start:stop`` of ``written`` as what ``point`` held at positions from
         ``first`` once the program was done (at generation ``step``). ``full_bytes``: their size as
         the program saw them (whole under TP), for the limit."""
-        if self.overflow is not None:
-            return
-        if self.bytes + full_bytes > self.limit:
-            self.overflow = (f"its write log passed INTERLACE_REPLAY_LOG_MIB ({self.limit / 2**20:g} MiB) "
-                             f"at {point}, step {step}")
-            self.entries.clear()
-            self.bytes = 0
-            return
-        self.bytes += full_bytes
-        entries = self.entries.get(point)
-        if entries is None:
-            entries = self.entries[point] = PointLog()
-        entries.firsts.append(first)
-        entries.written.append(written)
-        entries.starts.append(start)
-        entries.stops.append(stop)
+        record_rows([self], point, [first], written, [start], [stop], [full_bytes], [step])
+
+    def drop(self, point: Point, step: int) -> None:
+        """Past the limit: keep nothing from now on, and say where it was passed."""
+        self.overflow = (f"its write log passed INTERLACE_REPLAY_LOG_MIB ({self.limit / 2**20:g} MiB) "
+                         f"at {point}, step {step}")
+        self.entries.clear()
+        self.bytes = 0
 
 
-def record_rows(logs: list[WriteLog | None], point: Point, firsts: np.ndarray, written: Written,
-                starts: np.ndarray, stops: np.ndarray, per_row: int, steps: list[int]) -> None:
-    """:meth:`WriteLog.record` for each invoke of one call in one pass (invoke j: rows
-    ``starts[j]:stops[j]`` of ``written`` at positions from ``firsts[j]``; None: keeps no log). A
-    batched call over 1,024 invokes logs every step, and a method call per invoke cost 2 ms a step
-    on a 2-core CPU (half that in this loop)."""
-    sizes = (per_row * (stops - starts)).tolist()
-    for log, first, start, stop, size, step in zip(logs, firsts.tolist(), starts.tolist(), stops.tolist(), sizes, steps):
+def record_rows(logs: list[WriteLog | None], point: Point, firsts: list[int], written: Written,
+                starts: list[int], stops: list[int], sizes: list[int], steps: list[int]) -> None:
+    """:meth:`WriteLog.record` for each invoke of one call, in one pass (invoke j: rows
+    ``starts[j]:stops[j]`` of ``written`` at positions from ``firsts[j]``, ``sizes[j]`` bytes;
+    None: keeps no log). A batched call over 1,024 invokes logs every step, and a method call per
+    invoke cost 2 ms a step on a 2-core CPU (half that in this loop)."""
+    for log, first, start, stop, size, step in zip(logs, firsts, starts, stops, sizes, steps):
         if log is None or log.overflow is not None:
             continue
         if log.bytes + size > log.limit:
-            log.record(point, first, written, start, stop, size, step)  # drops the log, saying where
+            log.drop(point, step)
             continue
         log.bytes += size
         entries = log.entries.get(point)
