@@ -14,6 +14,7 @@ live in one place:
   the graphs (:mod:`interlace.workers.graphs`, :mod:`interlace.workers.taps`).
 
     >>> from interlace.cluster.config import ModelConfig
+from interlace.cluster.engine_processes import fork_engine_cores
     >>> from interlace.cluster.engine import start_engine
     >>> llm = start_engine(ModelConfig.load("tiny-llama"))
     >>> llm.generate(["Hello"])[0].outputs[0].text
@@ -33,6 +34,7 @@ from typing import Any
 
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
+from interlace.cluster.engine_processes import fork_engine_cores
 from interlace.cluster.placement import CPU_RANK
 from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, SPLITTING_OPS, TAPS_KEY
 
@@ -229,6 +231,8 @@ def start_engine(cfg: ModelConfig, **overrides: Any):
 def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
     from vllm import LLM
 
+    if settings.device() == "cpu":
+        fork_engine_cores()  # the engine core comes from a process that imported vLLM already
     prepare_environment(cfg)
     args = engine_args(cfg, **overrides)
     with load_refusals_raised():

