@@ -183,6 +183,16 @@ class ProgramCall:
         if self.timed_out or (self.local_limits and self.used_s >= self.budget_s):
             self._time_out()
 
+    def release(self) -> None:
+        """The step is over: drop the link from the program's ``m`` back to this call, so the call,
+        its view, context and held values go when the step does, by reference counting. Left
+        linked, every program call of every step was garbage only the collector could free: with
+        a program per invoke (256 invokes x 32 steps, tiny model, 2-core CPU, bench/step_probe.py)
+        the collections took 12 ms a step (full ones of 110-125 ms), and 3 ms once released.
+        A program that keeps ``m`` past its step finds it unbound."""
+        object.__setattr__(self.view, "_call", None)
+        self._greenlet = None
+
     def time_out(self) -> None:
         """Stop the program now, as past its time limit (the TP group agreed it is)."""
         if not (self.done and self.timed_out):

@@ -404,6 +404,7 @@ class Interleaver(ProgramServices):
                 if not self.stages.last:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
             self.dispatcher.close_call(call, ctx)
+            call.release()
             if not self.piece_step and call.error is None:
                 self._learned(ctx)
         if step.mailbox and not self.stages.last:  # for receivers that wait on a later stage
