@@ -14,7 +14,6 @@ live in one place:
   the graphs (:mod:`interlace.workers.graphs`, :mod:`interlace.workers.taps`).
 
     >>> from interlace.cluster.config import ModelConfig
-from interlace.cluster.engine_processes import fork_engine_cores
     >>> from interlace.cluster.engine import start_engine
     >>> llm = start_engine(ModelConfig.load("tiny-llama"))
     >>> llm.generate(["Hello"])[0].outputs[0].text
