@@ -78,7 +78,10 @@ class Suspended(ProgramError):
 
 
 class _Finished:
-    """Sentinel: the program returned (or failed) for this step."""
+    """Sentinel: the program returned (or failed) for this step. Its module and kind match no
+    point's, so a scan for the calls waiting at a point needs no separate ``done`` test."""
+
+    module = kind = None
 
 
 FINISHED = _Finished()
@@ -117,7 +120,7 @@ class ProgramCall:
         # What a later stage replays: every access so far, this stage's and the earlier ones'
         self.log: list | None = list(self.replay) if keep_log else None
         self.log_points: list = list(self.replay_points)
-        self._accesses = 0
+        self.accesses = 0
         self.used_s = 0.0  # time the program ran in this call (engine time not counted)
         self.agreed_s = 0.0  # under TP: the most any rank of the group counted (see tp_agreement.agree_on_time)
         self.waiting_for: Point | _Finished | None = None  # what the program needs next
@@ -125,6 +128,9 @@ class ProgramCall:
         self.timed_out = False  # past its budget (set by the watchdog, or by the engine between switches)
         self.stopped = False  # stopped by the engine with its own record (see stop)
         self.writes = 0  # writes to the model so far (the interleaver's count, compared across TP ranks)
+        # Registered with the watchdog: set and cleared by it under its lock, read without (only
+        # this call's own thread registers it), so a switch pays one locked leave, not two.
+        self.watched = False
         self._greenlet = greenlet.greenlet(self._run)
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
 
@@ -168,15 +174,16 @@ class ProgramCall:
         WATCHDOG.enter(self, started + self.budget_s - self.used_s)
         flight = self.flight
         if flight is not None:
-            flight.enter()
+            flight.recorder.enter(flight)
         try:
             self._greenlet.switch(value)
         except ProgramError:  # an interruption that landed as the program was leaving (see Watchdog)
             pass
         finally:
             if flight is not None:
-                flight.leave()
-            WATCHDOG.leave(self)
+                flight.recorder.leave()
+            if self.watched:  # the program switched back without leaving (it finished, or raised)
+                WATCHDOG.leave(self)
             self.used_s += time.monotonic() - started
         # Interrupted by the watchdog (on any layout), or finished past the limit by this rank's
         # clock (one rank alone only: under TP the ranks agree on that at the step's end).
@@ -238,7 +245,7 @@ class ProgramCall:
         """One access of the program (``what``: a point, parameter or recv): replayed from the
         carry while earlier pipeline stages already made it, else ``live()``; logged when a later
         stage needs it."""
-        index, self._accesses = self._accesses, self._accesses + 1
+        index, self.accesses = self.accesses, self.accesses + 1
         if index < len(self.replay):
             made = self.replay_points[index] if index < len(self.replay_points) else what
             if made != what:  # the value replayed is another access's: using it would be silently wrong
@@ -306,6 +313,7 @@ class Watchdog:
     def enter(self, call: ProgramCall, deadline: float) -> None:
         with self._lock:
             self._running[threading.get_ident()] = (call, deadline)
+            call.watched = True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="interlace-watchdog")
                 self._thread.start()
@@ -313,6 +321,7 @@ class Watchdog:
     def leave(self, call: ProgramCall) -> None:
         thread = threading.get_ident()
         with self._lock:
+            call.watched = False
             if self._running.get(thread, (None,))[0] is call:
                 del self._running[thread]
                 if call.timed_out:

@@ -65,7 +65,7 @@ class Holdings:
 
     def live_at(self, point: Point) -> Held | None:
         for held in reversed(self.live):
-            if held.point == point:
+            if held.point is point or held.point == point:
                 return held
         return None
 

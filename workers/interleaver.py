@@ -157,6 +157,7 @@ class Interleaver(ProgramServices):
                             flight.leave()
                     self._programs[key] = _on_device(program, self.device)
                 state.program = self._programs[key]
+                state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
                 if self.replay_log_bytes > 0:
                     state.writes = WriteLog(self.replay_log_bytes)
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
@@ -351,7 +352,7 @@ class Interleaver(ProgramServices):
                                limit_s=first.timeout_s, replay=carried.values if carried is not None else None,
                                replay_points=carried.points if carried is not None else None,
                                keep_log=not self.stages.last, local_limits=self.agree_max is None,
-                               flight=entry_for(first.sink, first.trace, first.invoke, first.timeout_s))
+                               flight=first.flight)
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
@@ -403,7 +404,8 @@ class Interleaver(ProgramServices):
                     call.cancel(self._unreached(call))
                 if not self.stages.last:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
-            self.dispatcher.close_call(call, ctx)
+        self.dispatcher.close_calls(step.calls)
+        for call, ctx in step.calls:
             call.release()
             if not self.piece_step and call.error is None:
                 self._learned(ctx)

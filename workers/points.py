@@ -62,6 +62,8 @@ class ModuleTree:
             # PPMissingLayer stands in for a module another pipeline stage runs
             self.modules[name] = None if type(module).__name__ == "PPMissingLayer" else module
         self.local = {name for name, module in self.modules.items() if module is not None}
+        self._resolved: dict[str, str] = {}
+        self._points: dict[tuple[str, str], Point] = {}
         self.final_norm = "model.norm" if "model.norm" in self.modules else None
         self.embeddings = next(
             (n for n in ("model.embed_tokens", "model.embed_in", "model.wte") if n in self.modules), None
@@ -69,6 +71,21 @@ class ModuleTree:
 
     def resolve(self, path: str) -> str:
         """Qualified module name for a user path; raises with the valid children on a typo."""
+        found = self._resolved.get(path)  # programs resolve the same few paths at every step
+        if found is None:
+            found = self._resolved[path] = self._resolve(path)
+        return found
+
+    def at(self, module: str, kind: str) -> Point:
+        """``Point(module, kind)``, one object per point: a program makes the same few at every
+        step, and the view compares the one it reads with the one it holds by identity first."""
+        key = (module, kind)
+        found = self._points.get(key)
+        if found is None:
+            found = self._points[key] = Point(module, kind)
+        return found
+
+    def _resolve(self, path: str) -> str:
         path = path.strip(".")
         for candidate in (path, f"model.{path}"):
             if candidate in self.modules:

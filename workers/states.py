@@ -56,6 +56,7 @@ class InvokeState:
     slots: SlotTable | None = None  # the rank's slot table (where its step is), if it has one
     error_step: int = 0  # the generation step it failed at (see keep_steps_to)
     writes: WriteLog | None = None  # its program's writes, replayed if vLLM recomputes it (write_log.py)
+    flight: Any = None  # its program's flight recorder entry (flight.py), None if unrecorded
 
     # Invokes failed so far, in this process: a step tells whether any failed since the last one
     # by comparing one number, not by looking at every invoke of the batch.
@@ -135,18 +136,30 @@ class CallContext:
 
     def __post_init__(self):
         self.invokes = self.members.states
-        self.lengths = self.members.stops - self.members.starts
-        if len(self.lengths) == 1:  # a program per invoke: 256 calls a step, and numpy's sum and
-            self.num_rows = int(self.lengths[0])  # cumsum of one number cost 7 us more a call
-            self.local_stops = self.lengths.copy()
-            self.local_starts = np.zeros_like(self.lengths)
+        members = self.members
+        if len(self.invokes) == 1:  # a program per invoke: 256 calls a step, where each array
+            start = int(members.starts[0])  # operation costs a microsecond
+            self.num_rows = int(members.stops[0]) - start
+            self.token_rows = Rows(slice(start, start + self.num_rows))  # what Rows.of makes of one range
         else:
-            self.num_rows = int(self.lengths.sum())
-            self.local_stops = np.cumsum(self.lengths)  # invoke j's rows of the values this call reads
-            self.local_starts = self.local_stops - self.lengths
+            self.num_rows = int((members.stops - members.starts).sum())
         self.holds = Holdings()  # what the program read this step, and whether it may still write it
 
-    # Built only when asked for (a sweep's call would otherwise build 256 of each per step)
+    # Built only when asked for (a sweep's call would otherwise build 256 of each per step, and a
+    # program per invoke reads none of them on its usual path)
+
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:
+        return self.members.stops - self.members.starts
+
+    @functools.cached_property
+    def local_stops(self) -> np.ndarray:
+        """Where invoke j's rows of the values this call reads end (stacked in invoke order)."""
+        return np.cumsum(self.lengths)
+
+    @functools.cached_property
+    def local_starts(self) -> np.ndarray:
+        return self.local_stops - self.lengths
 
     @functools.cached_property
     def steps(self) -> list[int]:

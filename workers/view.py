@@ -55,20 +55,20 @@ class Node:
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in ("output", "input", "resid"):
             raise AttributeError(f"cannot set {name!r} on module {self._path!r}; set output, input or resid")
-        self._view._write(Point(self._path, name), value)
+        self._view._write(self._view._tree.at(self._path, name), value)
 
     @property
     def output(self) -> Any:
-        return self._view._read(Point(self._path, "output"))
+        return self._view._read(self._view._tree.at(self._path, "output"))
 
     @property
     def input(self) -> Any:
-        return self._view._read(Point(self._path, "input"))
+        return self._view._read(self._view._tree.at(self._path, "input"))
 
     @property
     def resid(self) -> torch.Tensor:
         """The residual stream after this decoder layer (vLLM's ``hidden + residual``)."""
-        return self._view._read(Point(self._path, "resid"))
+        return self._view._read(self._view._tree.at(self._path, "resid"))
 
     def __repr__(self) -> str:
         return f"<module {self._path}>"
@@ -216,11 +216,17 @@ class ProgramView:
         return value
 
     def _read(self, point: Point) -> Any:
-        if point == self._current:
+        current = self._current
+        if point is current or (current is not None and point == current):
             return self._current_value
-        value = self._access(lambda: self._call.wait_at(point), point)
-        if self._call.replaying:  # read live on an earlier pipeline stage
-            self._ctx.holds.replayed.append((point, value))
+        call = self._call
+        if call.replaying or call.log is not None:  # pipeline parallelism: replayed, or logged
+            value = self._access(lambda: call.wait_at(point), point)
+            if call.replaying:  # read live on an earlier pipeline stage
+                self._ctx.holds.replayed.append((point, value))
+        else:  # one stage: ProgramCall.access reduced to its count (a program per invoke runs this 256 times a step)
+            call.accesses += 1
+            value = call.wait_at(point)
         object.__setattr__(self, "_current", point)
         object.__setattr__(self, "_current_value", value)
         object.__setattr__(self, "_pending_write", None)
@@ -233,7 +239,8 @@ class ProgramView:
         self._ctx.holds.refuse_write(point)  # its hook has returned: the write would be lost
         if point.kind == "samples":
             check_forced_tokens(value, self._ctx.services.vocab_size)
-        object.__setattr__(self, "_pending_write", (point, check_write(point, current, value)))
+        # ``m.x += v`` assigns back the very tensor it read: nothing to check
+        object.__setattr__(self, "_pending_write", (point, value if value is current else check_write(point, current, value)))
 
     def _take_write(self) -> Any:
         write = self._pending_write
