@@ -329,9 +329,9 @@ class TapAccess(PointAccess):
             self._give_back()
             with torch.inference_mode(False):
                 return _map(super().read(point, rows), lambda t, _d: t.clone(), self.layout.num_tokens, point.kind)
-        copy = self._own(point)
-        with torch.inference_mode(False):
-            return rows.take(copy, 0)
+        # A view of the copy (a normal tensor) is normal in inference mode too, and its version
+        # counter shows edits: no inference_mode(False) around it (5 us a read on an H200 host)
+        return rows.take(self._own(point), 0)
 
     def write(self, point: Point, rows: Rows, value: Any) -> None:
         if not self._shared(point):

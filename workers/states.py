@@ -117,6 +117,13 @@ class Scheduled:
         return Scheduled(self.states, self.slots, self.req_rows, self.starts + shift, self.stops, self.firsts + shift,
                          self.final, self.steps, self.prompt_lens, self.replay_until, self.epoch)
 
+    def part(self, start: int, stop: int) -> "Scheduled":
+        """Invokes ``start:stop`` of these, their arrays views of these (see StepScheduler.program_groups)."""
+        return Scheduled(self.states[start:stop], self.slots[start:stop], self.req_rows[start:stop],
+                         self.starts[start:stop], self.stops[start:stop], self.firsts[start:stop],
+                         self.final[start:stop], self.steps[start:stop], self.prompt_lens[start:stop],
+                         self.replay_until[start:stop], self.epoch)
+
     def advanced(self) -> "Scheduled":
         """The next step of the same epoch: every invoke one step further, in the same rows."""
         lengths = self.stops - self.starts
@@ -138,9 +145,11 @@ class CallContext:
         self.invokes = self.members.states
         members = self.members
         if len(self.invokes) == 1:  # a program per invoke: 256 calls a step, where each array
-            start = int(members.starts[0])  # operation costs a microsecond
-            self.num_rows = int(members.stops[0]) - start
-            self.token_rows = Rows(slice(start, start + self.num_rows))  # what Rows.of makes of one range
+            one = members.__dict__.get("one_range")  # operation costs a microsecond: kept for the epoch
+            if one is None:
+                start = int(members.starts[0])
+                one = members.one_range = (int(members.stops[0]) - start, Rows(slice(start, int(members.stops[0]))))
+            self.num_rows, self.token_rows = one  # what Rows.of makes of one range
         else:
             self.num_rows = int((members.stops - members.starts).sum())
         self.holds = Holdings()  # what the program read this step, and whether it may still write it

@@ -175,9 +175,13 @@ class StepScheduler:
         """
         if not self._group_numbers:  # no live invoke has a program
             return {}, False
-        if "groups" in memo:  # the same groups as this epoch's last step, one step on
-            groups = memo["groups"] = {key: members.advanced() for key, members in memo["groups"].items()}
-            return groups, False
+        if "groups" in memo:  # the same groups as this epoch's last step, one step on: their arrays
+            # are views of one set (see below), advanced in place, so a step with a program per
+            # invoke makes no object per group here
+            combined, lengths = memo["group arrays"]
+            combined.firsts += lengths
+            combined.steps += lengths
+            return memo["groups"], False
         group = self.slots.group[scheduled.slots]
         # a chunk that only recomputes rows after a preemption runs no program (its writes are replayed)
         runs = (group >= 0) & (scheduled.firsts + (scheduled.stops - scheduled.starts) > scheduled.replay_until)
@@ -195,12 +199,14 @@ class StepScheduler:
                 "which handle chunks exactly"), where="step 0"))
         index = np.flatnonzero(runs & ~chunked)
         index = index[np.lexsort((self.slots.invoke[scheduled.slots[index]], group[index]))]  # by group, then invoke
-        groups = np.split(index, np.flatnonzero(np.diff(group[index])) + 1) if len(index) else []
-        picked = {scheduled.states[g[0]].group_key: scheduled.pick(g).live() for g in groups}
+        bounds = [0, *(np.flatnonzero(np.diff(group[index])) + 1).tolist(), len(index)] if len(index) else [0]
+        combined = scheduled.pick(index).live()  # every group's invokes, group after group
+        picked = {combined.states[a].group_key: combined.part(a, b) for a, b in zip(bounds, bounds[1:])}
         failed = bool((runs & chunked).any())
         replaying = bool((scheduled.firsts < scheduled.replay_until).any())
         if not failed and not some_steps.any() and not replaying:  # the groups stay as they are for the epoch
             memo["groups"] = picked
+            memo["group arrays"] = (combined, combined.stops - combined.starts)
         return picked, failed
 
 

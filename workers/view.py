@@ -80,13 +80,17 @@ class ProgramView:
     _NAMED = ("embeddings", "final", "logits", "samples")
 
     def __init__(self, call_ctx):
-        # call_ctx: the interleaver's record of this call (invokes, rows, step, services)
-        object.__setattr__(self, "_ctx", call_ctx)
-        object.__setattr__(self, "_tree", call_ctx.tree)
-        object.__setattr__(self, "_current", None)  # the point the program holds right now
-        object.__setattr__(self, "_current_value", None)
-        object.__setattr__(self, "_pending_write", None)  # (point, value) assigned since the last switch
-        object.__setattr__(self, "_call", None)
+        # call_ctx: the interleaver's record of this call (invokes, rows, step, services). Set
+        # through __dict__ (this class refuses attributes): one call, made 256 times a step with a
+        # program per invoke.
+        self.__dict__.update(
+            _ctx=call_ctx,
+            _tree=call_ctx.tree,
+            _current=None,  # the point the program holds right now
+            _current_value=None,
+            _pending_write=None,  # (point, value) assigned since the last switch
+            _call=None,
+        )
 
     # --- step and batch facts -------------------------------------------------------------------
 
