@@ -33,6 +33,33 @@ from test_cluster_parallel import two_stages_on
 from test_sweep import CLUSTER, assert_equals_model, free_ports, stop_private_ray, text_prompts, write_config, write_jsonl
 
 
+# Installed in every Python process the two nodes start (their Ray workers, the engines those
+# start), as ``sitecustomize``: logs each open or listing of a folder where a rank on another node
+# than its replica's writes its report batches before sending them through Ray (workers/sink.py,
+# RaySink), with the node it happened on. Nodes share no file system on real machines: only the
+# rank that wrote such a folder may read it.
+AUDIT_OPENS = """
+import os, sys
+_log, _node = os.environ.get("INTERLACE_TEST_OPENS"), os.environ.get("INTERLACE_TEST_NODE", "?")
+def _opened(event, args):
+    if event in ("open", "os.listdir", "os.scandir") and args:
+        path = os.fsdecode(args[0]) if isinstance(args[0], (str, bytes, os.PathLike)) else ""
+        if "interlace-remote-reports-" in path:
+            with open(_log, "a") as log:
+                log.write(f"{_node} {os.getpid()} {event} {path}\\n")
+if _log:
+    sys.addaudithook(_opened)
+"""
+REMOTE_OPENS: list[str] = []  # the same, made in this process (the driver)
+
+
+def _driver_opened(event: str, args: tuple) -> None:
+    if event in ("open", "os.listdir", "os.scandir") and args:
+        path = os.fsdecode(args[0]) if isinstance(args[0], (str, bytes, os.PathLike)) else ""
+        if "interlace-remote-reports-" in path:
+            REMOTE_OPENS.append(path)
+
+
 def _start_node(temp: Path, env: dict, ip: str, head_port: int, *extra: str) -> None:
     bin_dir = Path(sys.executable).parent
     command = [str(bin_dir / "ray"), "start", "--node-ip-address", ip, "--num-cpus", "1", "--temp-dir", str(temp),
@@ -75,9 +102,14 @@ def two_nodes():
     if env["RAY_AUTH_MODE"] == "token":
         subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     (port,) = free_ports(1)
+    (temps[0] / "audit").mkdir()
+    (temps[0] / "audit" / "sitecustomize.py").write_text(AUDIT_OPENS)
+    audit = {"PYTHONPATH": os.pathsep.join([str(temps[0] / "audit"), *filter(None, [env.get("PYTHONPATH")])]),
+             "INTERLACE_TEST_OPENS": str(temps[0] / "opens.log")}
     try:
-        _start_node(temps[0], env, "127.0.0.1", port)
-        _start_node(temps[1], env, "127.0.0.2", port, "--address", f"127.0.0.1:{port}")
+        _start_node(temps[0], {**env, **audit, "INTERLACE_TEST_NODE": "127.0.0.1"}, "127.0.0.1", port)
+        _start_node(temps[1], {**env, **audit, "INTERLACE_TEST_NODE": "127.0.0.2"}, "127.0.0.2", port,
+                    "--address", f"127.0.0.1:{port}")
         ray.init(address=f"127.0.0.1:{port}")
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
         yield temps
@@ -101,7 +133,7 @@ def spread_pp2(two_nodes):
     handle.close()
 
 
-def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(spread_pp2, llama):
+def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(two_nodes, spread_pp2, llama):
     import ray
     from ray.util import placement_group_table
 
@@ -112,6 +144,8 @@ def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(
 
     count = 8
     traces = [build(spread_pp2, i) for i in range(count)]
+    sys.addaudithook(_driver_opened)  # stays for the rest of the session (hooks cannot be removed): a few string tests an event
+    REMOTE_OPENS.clear()
     results = [f.result(timeout=300) for f in [spread_pp2.submit(tr) for tr in traces]]
     for got, want in zip(results, reference(llama, count)):
         assert_same(got, want)  # saves of stage 0 (this node) and stage 1 (the other node)
@@ -124,6 +158,14 @@ def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(
     assert info["reports_delivered"] == intervened
     stats = ray.get(spread_pp2.collector.stats.remote())
     assert stats["dropped"] == 0 and stats["pending"] == 0
+
+    # Only the rank on the other node opened the folder it writes its batches in: neither the
+    # replica's node (the replica, its watchers, its inbox, its own rank) nor the driver did.
+    here = psutil.Process(info["pid"]).environ()["INTERLACE_TEST_NODE"]  # the replica's node, as its node started it
+    opens = [line.split(" ", 3) for line in (two_nodes[0] / "opens.log").read_text().splitlines()]
+    assert opens, "no process logged opening a remote rank's report folder: the audit saw nothing"
+    assert {node for node, _pid, _event, _path in opens} == {"127.0.0.2" if here == "127.0.0.1" else "127.0.0.1"}
+    assert REMOTE_OPENS == []
 
 
 def test_the_serve_app_spreads_its_engine_replica_over_two_nodes(two_nodes, llama):
