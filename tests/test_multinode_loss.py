@@ -1,0 +1,105 @@
+"""A replica spread over Ray nodes loses one of them mid-run: three nodes on this host.
+
+Each node has one CPU and one rank slot (``interlace_cpu_rank``), so a PP=2 replica spreads over
+two of them, a stage on each, and the third is spare. The node holding one of the replica's ranks
+(not the head, where the driver runs) is killed as a machine dies: its raylet and every process
+under it. The replica's traces must still complete, each once and equal to one engine's, on the
+replica rebuilt over the two nodes left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import interlace
+from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
+from test_cluster import assert_same, build, reference
+from test_multinode import _start_node
+from test_sweep import free_ports, stop_private_ray
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """Three Ray nodes on this host (127.0.0.1 the head, 127.0.0.2, 127.0.0.3), the driver joined."""
+    import ray
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    assert not ray.is_initialized()
+    temps = [Path(tempfile.mkdtemp(prefix=f"irl{i}", dir="/tmp")) for i in range(3)]
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", RAY_AUTH_MODE="token" if is_token_auth_enabled() else "disabled")
+    if env["RAY_AUTH_MODE"] == "token":
+        import subprocess
+
+        subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    (port,) = free_ports(1)
+    try:
+        _start_node(temps[0], env, "127.0.0.1", port)
+        for i in (1, 2):
+            _start_node(temps[i], env, f"127.0.0.{i + 1}", port, "--address", f"127.0.0.1:{port}")
+        ray.init(address=f"127.0.0.1:{port}")
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 3
+        yield temps
+    finally:
+        ray.shutdown()
+        for temp in temps:
+            stop_private_ray(temp)
+        for proc in psutil.process_iter(["cmdline"]):  # the head's Ray client server names no temp folder
+            with contextlib.suppress(psutil.Error):
+                line = " ".join(proc.info["cmdline"] or [])
+                if "--address=" in line and f":{port}" in line and proc.pid != os.getpid():
+                    proc.kill()
+
+
+def _raylet_of(temp: Path) -> psutil.Process:
+    return next(p for p in psutil.process_iter(["name", "cmdline"])
+                if "raylet" in (p.info["name"] or "") and str(temp) in " ".join(p.info["cmdline"] or []))
+
+
+def test_a_spread_replica_that_loses_a_node_reruns_its_traces_once_on_the_nodes_left(three_nodes, llama):
+    import ray
+    from ray.util import placement_group_table
+
+    model = ModelConfig.load("tiny-llama").model_copy(update={"pipeline_parallel_size": 2})
+    count = 16
+    want = reference(llama, count)
+    with interlace.Cluster(ClusterConfig(model=model, replicas=1, max_in_flight=2,
+                                         resources=ResourcesConfig(num_cpus=1))) as cluster:
+        (slot,) = cluster._replicas
+        placed = set(placement_group_table(slot.placement_group)["bundles_to_node_id"].values())
+        assert len(placed) == 2  # a stage on each of two nodes
+        head = ray.get_runtime_context().get_node_id()
+        by_id = {n["NodeID"]: n for n in ray.nodes()}
+        victim_id = next(node for node in sorted(placed) if node != head)
+        victim = next(t for t in three_nodes[1:] if str(t) in by_id[victim_id]["ObjectStoreSocketName"])
+        raylet = _raylet_of(victim)
+
+        futures = [cluster.submit(build(cluster, i)) for i in range(count)]
+        while sum(f.done() for f in futures) < 2:
+            time.sleep(0.05)
+        node = [raylet, *raylet.children(recursive=True)]  # its workers and what they started: the machine goes
+        for proc in node:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+
+        results = [f.result(timeout=600) for f in futures]  # each future resolves once
+        for got, ref in zip(results, want):
+            assert_same(got, ref)
+        replica = cluster.status()["replicas"][0]
+        assert replica["restarts"] >= 1
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert victim_id not in alive
+        placed = set(placement_group_table(slot.placement_group)["bundles_to_node_id"].values())
+        assert len(placed) == 2 and placed <= alive  # rebuilt over the two nodes left
+        stats = ray.get(cluster.collector.stats.remote())
+        assert stats["dropped"] == 0 and stats["pending"] == 0
