@@ -60,10 +60,11 @@ def _driver_opened(event: str, args: tuple) -> None:
             REMOTE_OPENS.append(path)
 
 
-def _start_node(temp: Path, env: dict, ip: str, head_port: int, *extra: str) -> None:
+def _start_node(temp: Path, env: dict, ip: str, head_port: int, *extra: str, ranks: int = 1) -> None:
+    """A Ray node with ``ranks`` CPUs and rank slots (the head unless ``extra`` joins it to one)."""
     bin_dir = Path(sys.executable).parent
-    command = [str(bin_dir / "ray"), "start", "--node-ip-address", ip, "--num-cpus", "1", "--temp-dir", str(temp),
-               "--resources", '{"interlace_cpu_rank": 1}', "--object-store-memory", str(200 << 20),
+    command = [str(bin_dir / "ray"), "start", "--node-ip-address", ip, "--num-cpus", str(ranks), "--temp-dir", str(temp),
+               "--resources", json.dumps({"interlace_cpu_rank": ranks}), "--object-store-memory", str(200 << 20),
                "--disable-usage-stats", *extra]
     command += ["--head", "--port", str(head_port), "--include-dashboard", "false"] if not extra else []
     # vLLM's Ray executor wants a distinct IP per node; its workers read theirs from VLLM_HOST_IP.

@@ -1,10 +1,11 @@
-"""A replica spread over Ray nodes loses one of them mid-run: three nodes on this host.
+"""A TP=2 x PP=2 replica spread over Ray nodes, which loses one of them mid-run: three nodes on
+this host.
 
-Each node has one CPU and one rank slot (``interlace_cpu_rank``), so a PP=2 replica spreads over
-two of them, a stage on each, and the third is spare. The node holding one of the replica's ranks
-(not the head, where the driver runs) is killed as a machine dies: its raylet and every process
-under it. The replica's traces must still complete, each once and equal to one engine's, on the
-replica rebuilt over the two nodes left.
+Each node has two CPUs and two rank slots (``interlace_cpu_rank``), so the replica's four ranks
+spread over two of them and the third is spare. Its traces equal one engine's (TP=1, PP=1). Then
+the node holding two of its ranks (not the head, where the driver runs) is killed as a machine
+dies: its raylet and every process under it. The replica's traces must still complete, each once
+and equal to one engine's, on the replica rebuilt over the two nodes left.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ import pytest
 import interlace
 from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
 from test_cluster import assert_same, build, reference
+from test_cluster_parallel import two_stages_on
 from test_multinode import _start_node
 from test_sweep import free_ports, stop_private_ray
 
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    """Three Ray nodes on this host (127.0.0.1 the head, 127.0.0.2, 127.0.0.3), the driver joined."""
+    """Three Ray nodes on this host (127.0.0.1 the head, 127.0.0.2, 127.0.0.3), two rank slots each,
+    the driver joined."""
     import ray
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
@@ -44,9 +47,9 @@ def three_nodes():
         subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     (port,) = free_ports(1)
     try:
-        _start_node(temps[0], env, "127.0.0.1", port)
+        _start_node(temps[0], env, "127.0.0.1", port, ranks=2)
         for i in (1, 2):
-            _start_node(temps[i], env, f"127.0.0.{i + 1}", port, "--address", f"127.0.0.1:{port}")
+            _start_node(temps[i], env, f"127.0.0.{i + 1}", port, "--address", f"127.0.0.1:{port}", ranks=2)
         ray.init(address=f"127.0.0.1:{port}")
         assert len([n for n in ray.nodes() if n["Alive"]]) == 3
         yield temps
@@ -66,18 +69,19 @@ def _raylet_of(temp: Path) -> psutil.Process:
                 if "raylet" in (p.info["name"] or "") and str(temp) in " ".join(p.info["cmdline"] or []))
 
 
-def test_a_spread_replica_that_loses_a_node_reruns_its_traces_once_on_the_nodes_left(three_nodes, llama):
+def test_a_tp2_pp2_replica_over_two_nodes_equals_one_engine_and_survives_losing_one(three_nodes, llama):
     import ray
     from ray.util import placement_group_table
 
-    model = ModelConfig.load("tiny-llama").model_copy(update={"pipeline_parallel_size": 2})
+    model = ModelConfig.load("tiny-llama").model_copy(update={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
     count = 16
     want = reference(llama, count)
     with interlace.Cluster(ClusterConfig(model=model, replicas=1, max_in_flight=2,
                                          resources=ResourcesConfig(num_cpus=1))) as cluster:
         (slot,) = cluster._replicas
         placed = set(placement_group_table(slot.placement_group)["bundles_to_node_id"].values())
-        assert len(placed) == 2  # a stage on each of two nodes
+        assert len(placed) == 2  # two ranks on each of two nodes
+        assert_same(*two_stages_on((cluster, llama), 4, max_tokens=3))  # shared values of every rank, merged once
         head = ray.get_runtime_context().get_node_id()
         by_id = {n["NodeID"]: n for n in ray.nodes()}
         victim_id = next(node for node in sorted(placed) if node != head)
