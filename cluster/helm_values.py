@@ -67,20 +67,18 @@ def sweep_config(values: dict) -> SweepConfig:
     return SweepConfig.model_validate(_resolve_paths(raw, Path(values["sweep"]["storage"]["mountPath"])))
 
 
-def worker_pods(cluster: ClusterConfig, gpus_per_worker: float, replicas: int, spread: bool = False) -> int:
+def worker_pods(cluster: ClusterConfig, gpus_per_worker: float, replicas: int) -> int:
     """GPU worker pods that ``replicas`` engine replicas need: a replica's tensor_parallel_size x
-    pipeline_parallel_size ranks share one pod where it holds them (:mod:`interlace.cluster.placement`).
-    ``spread`` (the Serve app): a replica larger than a pod takes pods of its own, its ranks packed
-    onto as few as hold them; without (a sweep, whose replicas stay on one node), it is refused."""
+    pipeline_parallel_size ranks share one pod where it holds them (:mod:`interlace.cluster.placement`);
+    a replica larger than a pod takes pods of its own, its ranks packed onto as few as hold them."""
     replica = cluster.model.world_size * cluster.resources.num_gpus
     if replica <= 0:
         raise ValueError("every engine rank needs a GPU on the GPU workers; set resources.num_gpus to 1")
     if replica > gpus_per_worker:
         ranks_per_pod = math.floor(gpus_per_worker / cluster.resources.num_gpus)
-        if not spread or ranks_per_pod < 1:
-            raise ValueError(f"one replica needs {replica:g} GPUs on one node (tensor_parallel_size x "
-                             f"pipeline_parallel_size x resources.num_gpus) but a worker pod has {gpus_per_worker:g}; "
-                             "set resources.num_gpus to 1 and workers.gpusPerWorker to at least the replica's ranks")
+        if ranks_per_pod < 1:
+            raise ValueError(f"one rank needs resources.num_gpus = {cluster.resources.num_gpus:g} GPUs but a worker "
+                             f"pod has {gpus_per_worker:g}; raise workers.gpusPerWorker to at least that")
         return replicas * math.ceil(cluster.model.world_size / ranks_per_pod)
     per_pod = math.floor(gpus_per_worker / replica)
     return math.ceil(replicas / per_pod)
@@ -100,8 +98,7 @@ def worker_group_size(values: dict, which: str = "serve") -> tuple[int, int]:
         cfg = sweep_config(values)
         low = high = cfg.cluster.replicas
     gpus = float(workers["gpusPerWorker"])
-    spread = which == "serve"  # the Serve app spreads a replica no pod holds; sweeps do not
-    return worker_pods(cfg.cluster, gpus, low, spread), worker_pods(cfg.cluster, gpus, high, spread)
+    return worker_pods(cfg.cluster, gpus, low), worker_pods(cfg.cluster, gpus, high)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,8 +19,9 @@ resource ``interlace_cpu_rank``, which vLLM's Ray executor places ranks by
 :func:`check_fits_the_cluster` refuses a replica the whole cluster cannot hold, on a local Ray,
 before anything waits for resources no node has (a placement group that cannot be placed waits
 forever), and warns on a joined cluster, where an autoscaler may add nodes. Serve's engine
-replicas are placed the same way; sweeps place a replica on one node still (:func:`check_fits_a_node`);
-:func:`check_replicas_fit` checks all of a cluster's one-node replicas together.
+replicas and sweeps' shard runners are placed the same way (a sweep checks a one-node replica with
+:func:`check_fits_a_node`); :func:`check_replicas_fit` checks all of a cluster's one-node replicas
+together.
 
     >>> from interlace.cluster.config import ClusterConfig
     >>> cfg = ClusterConfig.load("tiny-llama-2")

@@ -245,16 +245,16 @@ def test_sizes_follow_tp_pp_and_gpus_per_worker(helm):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
-def test_a_replica_fits_one_pod():
+def test_a_replica_fits_one_pod_or_takes_pods_of_its_own():
     tp4pp2 = serve_config(chart_values(CHART_DIR / "examples" / "tp4-pp2.yaml")).cluster
     assert [worker_pods(tp4pp2, 8, n) for n in (1, 2, 3)] == [1, 2, 3]
     tp2 = tp4pp2.model_copy(update={"model": tp4pp2.model.model_copy(update={"pipeline_parallel_size": 1,
                                                                             "tensor_parallel_size": 2})})
     assert [worker_pods(tp2, 8, n) for n in (1, 4, 5)] == [1, 1, 2]
-    with pytest.raises(ValueError, match="one replica needs 8 GPUs on one node"):
-        worker_pods(tp4pp2, 4, 1)  # a sweep's pipeline over two pods is refused, not sized
-    assert [worker_pods(tp4pp2, 4, n, spread=True) for n in (1, 3)] == [2, 6]  # the Serve app's: pods of its own
-    assert worker_pods(tp4pp2, 3, 1, spread=True) == 3  # 3 ranks a pod: 8 ranks take 3 pods
+    assert [worker_pods(tp4pp2, 4, n) for n in (1, 3)] == [2, 6]  # larger than a pod: pods of its own
+    assert worker_pods(tp4pp2, 3, 1) == 3  # 3 ranks a pod: 8 ranks take 3 pods
+    with pytest.raises(ValueError, match="one rank needs resources.num_gpus = 2 GPUs"):
+        worker_pods(tp4pp2.model_copy(update={"resources": tp4pp2.resources.model_copy(update={"num_gpus": 2})}), 1, 1)
 
 
 def test_secure_defaults(helm):
@@ -281,14 +281,14 @@ def test_secure_defaults(helm):
     assert worker["startupProbe"]["httpGet"] == {"path": "/healthz", "port": 8000}
 
 
-def test_refuses_what_cannot_be_placed(helm, tmp_path):
+def test_sizes_or_refuses_what_needs_placing(helm, tmp_path):
     values = tmp_path / "too-wide.yaml"
     wide = {"cluster": {"model": {"name": "m", "source": "/m", "tensor_parallel_size": 4, "pipeline_parallel_size": 2},
                         "resources": {"num_gpus": 1}}, "output": "s3://b/x", "input": {"paths": ["s3://b/p.parquet"]},
             "intervention": {"ops": [{"op": "save", "point": "logits"}]}}
     values.write_text(yaml.safe_dump({"sweep": {"enabled": True, "config": wide}, "workers": {"gpusPerWorker": 4}}))
-    out = run_helm(helm, "template", "demo", str(CHART_DIR), "-f", str(values))  # a sweep's replica stays on one pod
-    assert out.returncode != 0 and "a sweep's replica runs on one node: raise gpusPerWorker to at least 8" in out.stderr, out.stderr
+    (job,) = of_kind(render(helm, values), "RayJob")  # a sweep's replica larger than a pod: two pods of its own
+    assert cluster_spec(job)["workerGroupSpecs"][0]["replicas"] == 2
     values.write_text(yaml.safe_dump({"interlace": {"serve": {"cluster": {"model": {"tensor_parallel_size": 8},
                                                                           "resources": {"num_gpus": 2}}}},
                                       "workers": {"gpusPerWorker": 1}}))

@@ -191,6 +191,30 @@ def test_the_serve_app_spreads_its_engine_replica_over_two_nodes(two_nodes, llam
         serve.shutdown()
 
 
+def test_a_sweep_of_a_replica_spread_over_two_nodes_equals_one_engine(two_nodes, tmp_path, llama):
+    """A sweep whose one replica is PP=2, a stage on each node: the rows saved at a layer of the
+    stage on the other node come to the shard writer through Ray, and the dataset equals one engine."""
+    from interlace.cluster.config import SweepConfig
+    from interlace.cluster.sweep.runner import run_sweep
+
+    prompts = text_prompts(12)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    model = ModelConfig.load("tiny-llama").model_copy(update={"pipeline_parallel_size": 2}).model_dump()
+    cfg = SweepConfig.load(write_config(
+        tmp_path, "spread", cluster={"model": model, "replicas": 1, "resources": {"num_cpus": 1}},
+        input={"paths": ["prompts.jsonl"]}, output="out", shard_size=4, generation={"max_tokens": 2},
+        intervention={"ops": [{"op": "save", "point": "layers.3.resid", "name": "r3", "tokens": "last"}]}))
+    log = two_nodes[0] / "opens.log"
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+    manifest = run_sweep(cfg)
+    assert manifest["status"] == "complete" and manifest["counts"]["shards"] == 3
+    assert_equals_model(Path(cfg.output), llama, prompts, max_tokens=2, layer=3)  # every prompt once, in order
+    # Spread: a stage on the other node wrote its batches there and sent them (AUDIT_OPENS); no
+    # process of the shard runner's node opened them.
+    opens = [line.split(" ", 3) for line in log.read_text().splitlines()[before:]]
+    assert opens and len({node for node, _pid, _event, _path in opens}) == 1
+
+
 def test_a_sweep_on_two_nodes_completes_once_though_a_node_died(two_nodes, tmp_path, llama):
     """One replica on each node (a CPU each); the second node's raylet is killed once a shard is
     committed by it: the sweep finishes on the first node, every prompt once, equal to one engine."""

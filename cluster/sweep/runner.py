@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from interlace.cluster.config import SweepConfig, SweepInput, SweepIntervention
-from interlace.cluster.placement import check_fits_a_node, replica_bundle
+from interlace.cluster.placement import (check_fits_a_node, check_fits_the_cluster, host_actor_options, is_spread,
+                                         replica_bundle, replica_bundles)
 from interlace.cluster.sweep.shard_writer import (
     SHARED_META,
     SHARED_PREFIX,
@@ -300,7 +301,10 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     import cloudpickle
     import ray.data
 
-    check_fits_a_node(cfg.cluster)  # an actor no node can hold would leave the pool waiting forever
+    bundles = replica_bundles(cfg.cluster)
+    groups = _spread_groups(cfg, bundles) if is_spread(bundles) else None
+    if groups is None:
+        check_fits_a_node(cfg.cluster)  # an actor no node can hold would leave the pool waiting forever
     size = cfg.shard_size
     items = [{"shard": k, "rows": cloudpickle.dumps(rows[k * size:(k + 1) * size])} for k in pending]
     results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
@@ -311,7 +315,7 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
                                            max_tasks_in_flight_per_actor=cfg.shards_in_flight,
                                            max_concurrent_calls_per_actor=cfg.shards_in_flight,
                                            enable_true_multi_threading=True),
-        ray_remote_args_fn=_slot_args(cfg), **_actor_resources(cfg))
+        ray_remote_args_fn=_slot_args(cfg, groups), **_actor_resources(cfg, spread=groups is not None))
     failures = sum(rec["failures"] for rec in manifest["shards"].values())
     rows_iter = results.iter_rows()
     last_write = 0.0
@@ -336,6 +340,9 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     finally:
         with contextlib.suppress(Exception):
             rows_iter.close()  # stops the pool (early stop or error)
+        for group in groups or ():  # after the pool: its actors and their engines' ranks live in them
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(group)
 
 
 @contextlib.contextmanager
@@ -360,8 +367,11 @@ def _stop(out: SweepStore, manifest: dict, why: str) -> None:
     raise SweepStopped(f"sweep stopped: {why}")
 
 
-def _slot_args(cfg: SweepConfig) -> Callable[[], dict]:
-    """Per actor: its pool slot (and, for CPU engines, that slot's cores), in its environment."""
+def _slot_args(cfg: SweepConfig, groups: list | None = None) -> Callable[[], dict]:
+    """Per actor: its pool slot (and, for CPU engines, that slot's cores), in its environment;
+    for a spread replica, the slot's placement group too (the actor in its first bundle)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     counter = iter(range(1 << 30))
 
     def args() -> dict:
@@ -369,14 +379,34 @@ def _slot_args(cfg: SweepConfig) -> Callable[[], dict]:
         env = {"INTERLACE_SWEEP_SLOT": str(slot)}
         if cfg.cluster.cpu_cores:
             env["INTERLACE_CPU_CORES"] = ",".join(map(str, cfg.cluster.cpu_cores[slot % len(cfg.cluster.cpu_cores)]))
-        return {"runtime_env": {"env_vars": env}}
+        if groups is None:
+            return {"runtime_env": {"env_vars": env}}
+        # The replica's engine sees the group as its own (Replica._spread) and starts its ranks in
+        # the bundles through vLLM's Ray executor, as a Cluster's spread replica does.
+        return {"runtime_env": {"env_vars": env}, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            groups[slot], placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
 
     return args
 
 
-def _actor_resources(cfg: SweepConfig) -> dict:
+def _spread_groups(cfg: SweepConfig, bundles: list[dict[str, float]]) -> list:
+    """A replica no node can hold: one placement group per pool slot, a bundle per rank packed on
+    as few nodes as Ray can (cluster/placement.py), refused first where the whole cluster cannot
+    hold one. Not waited for: a slot whose group cannot be placed yet (after a node was lost)
+    starts its actor once it is, and the pool goes on with the others meanwhile."""
+    from ray.util import placement_group
+
+    check_fits_the_cluster(cfg.cluster)
+    return [placement_group(bundles, strategy="PACK") for _ in range(cfg.cluster.replicas)]
+
+
+def _actor_resources(cfg: SweepConfig, spread: bool = False) -> dict:
     """One actor holds one replica: its one-node bundle's resources (its ranks are its own
-    processes; :mod:`interlace.cluster.placement`)."""
+    processes; :mod:`interlace.cluster.placement`), or, spread, a host's sliver of its group's
+    first bundle (vLLM's Ray workers take the bundles' own)."""
+    if spread:
+        return {**host_actor_options(cfg.cluster, spread=True), "max_restarts": -1,
+                "max_task_retries": cfg.cluster.max_retries}
     bundle = replica_bundle(cfg.cluster)
     args: dict[str, Any] = {"num_cpus": bundle.pop("CPU", 0.0), "max_restarts": -1,
                             "max_task_retries": cfg.cluster.max_retries}

@@ -110,10 +110,10 @@ the same config from the same values (tests/test_helm.py compares them).
 Worker pods that `replicas` engine replicas of a ClusterConfig mapping need: a replica's
 tensor_parallel_size x pipeline_parallel_size ranks share one pod where it holds them
 (interlace.cluster.placement), and a pod of gpusPerWorker GPUs holds floor(gpusPerWorker /
-(tensor_parallel_size x pipeline_parallel_size x num_gpus)) replicas. With "spread" (the Serve app),
-a replica larger than a pod takes ceil(ranks / ranks per pod) pods of its own, its ranks packed
-onto them; without (a sweep, whose replicas stay on one node), it is refused.
-Arguments: dict "cluster" "replicas" "gpusPerWorker" "spread" "where" (the values path, for errors).
+(tensor_parallel_size x pipeline_parallel_size x num_gpus)) replicas. A replica larger than a pod
+takes ceil(ranks / ranks per pod) pods of its own, its ranks packed onto them (the Serve app and
+sweeps alike).
+Arguments: dict "cluster" "replicas" "gpusPerWorker" "where" (the values path, for errors).
 */}}
 {{- define "interlace.workerPods" -}}
 {{- $c := .cluster -}}
@@ -137,9 +137,7 @@ Arguments: dict "cluster" "replicas" "gpusPerWorker" "spread" "where" (the value
 {{- $replica := mulf (mulf $tp $pp) $gpus -}}
 {{- if gt $replica $perPod -}}
 {{- $ranksPerPod := floor (divf $perPod $gpus) -}}
-{{- if not .spread -}}
-{{- fail (printf "%s: one replica needs tensor_parallel_size x pipeline_parallel_size x num_gpus = %v GPUs on one pod but workers.gpusPerWorker is %v; a sweep's replica runs on one node: raise gpusPerWorker to at least %v" .where $replica $perPod $replica) -}}
-{{- else if lt $ranksPerPod 1.0 -}}
+{{- if lt $ranksPerPod 1.0 -}}
 {{- fail (printf "%s: one rank needs num_gpus = %v GPUs but workers.gpusPerWorker is %v; raise gpusPerWorker to at least %v" .where $gpus $perPod $gpus) -}}
 {{- end -}}
 {{- mul (.replicas | int) (ceil (divf (mulf $tp $pp) $ranksPerPod) | int) -}}

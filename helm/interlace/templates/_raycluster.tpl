@@ -16,7 +16,7 @@ Arguments: dict "root" $ "cluster" <ClusterConfig mapping> "autoscaling" <mappin
 {{- $min = .autoscaling.min_replicas | default 1 -}}
 {{- $max = .autoscaling.max_replicas | default 1 -}}
 {{- end -}}
-{{- $args := dict "cluster" .cluster "gpusPerWorker" $w.gpusPerWorker "spread" $serve "where" .where -}}
+{{- $args := dict "cluster" .cluster "gpusPerWorker" $w.gpusPerWorker "where" .where -}}
 {{- $minPods := include "interlace.workerPods" (merge (dict "replicas" $min) $args) | int -}}
 {{- $maxPods := include "interlace.workerPods" (merge (dict "replicas" $max) $args) | int -}}
 {{- if not (kindIs "invalid" $w.replicas) -}}
