@@ -151,6 +151,25 @@ class Replica:
         self._engine = engine
         if self.state is not None:
             self._gauges_task = asyncio.get_running_loop().create_task(self._push_gauges())
+        if self._spread():
+            self._nodes_task = asyncio.get_running_loop().create_task(self._watch_nodes())
+
+    async def _watch_nodes(self, every_s: float = 1.0) -> None:
+        """A spread replica: end this process (Ray restarts it, its shards run again) once a node
+        holding one of its ranks is gone. vLLM's Ray executor would wait for the lost rank's
+        step until ``RAY_CGRAPH_get_timeout`` (300 s): a PP=2 replica losing a node on the 2-core
+        machine stalled its traces 5 minutes (tests/test_multinode_loss.py). The nodes are those
+        of its start: Ray moves a lost node's bundles elsewhere, and the engine's ranks do not follow."""
+        import ray
+        from ray.util import placement_group_table
+
+        group = ray.util.get_current_placement_group()
+        nodes = set((await asyncio.to_thread(placement_group_table, group))["bundles_to_node_id"].values())
+        while True:
+            await asyncio.sleep(every_s)
+            alive = {node["NodeID"] for node in await asyncio.to_thread(ray.nodes) if node["Alive"]}
+            if not nodes <= alive:
+                self._die("a node holding its ranks is gone")
 
     def _spread(self) -> bool:
         """Whether this replica's ranks have a bundle each (cluster/placement.py)."""

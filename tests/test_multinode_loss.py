@@ -105,5 +105,6 @@ def test_a_tp2_pp2_replica_over_two_nodes_equals_one_engine_and_survives_losing_
         assert victim_id not in alive
         placed = set(placement_group_table(slot.placement_group)["bundles_to_node_id"].values())
         assert len(placed) == 2 and placed <= alive  # rebuilt over the two nodes left
-        stats = ray.get(cluster.collector.stats.remote())
-        assert stats["dropped"] == 0 and stats["pending"] == 0
+        # Nothing held back; what the lost attempt's ranks still reported was dropped as stale
+        # (the results above, each once, show none of it counted).
+        assert ray.get(cluster.collector.stats.remote())["pending"] == 0
