@@ -86,33 +86,37 @@ def test_a_replica_larger_than_the_cluster_is_refused_with_what_it_needs():
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def two_nodes():
-    """Two Ray nodes on this host; the driver (this process) joins them. Authenticated as this
-    process's Ray client already is: Ray reads ``RAY_AUTH_MODE`` once per process, and a cluster
-    whose mode differs cannot call back into the driver (its actors are cancelled as orphans).
-    With tokens, this user's token file, which the driver reads too."""
+@contextlib.contextmanager
+def ray_nodes(count: int, ranks: int = 1, audit: bool = False):
+    """``count`` Ray nodes on this host (127.0.0.1 the head, then 127.0.0.2...), ``ranks`` CPUs and
+    rank slots each, the driver (this process) joined; yields their temp folders. Authenticated as
+    this process's Ray client already is: Ray reads ``RAY_AUTH_MODE`` once per process, and a
+    cluster whose mode differs cannot call back into the driver (its actors are cancelled as
+    orphans). With tokens, this user's token file, which the driver reads too. ``audit``: every
+    Python process of the nodes logs into the head's ``opens.log`` (``AUDIT_OPENS``)."""
     import ray
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
     assert not ray.is_initialized()
-    temps = [Path(tempfile.mkdtemp(prefix=f"irn{i}", dir="/tmp")) for i in range(2)]
+    temps = [Path(tempfile.mkdtemp(prefix=f"irn{i}", dir="/tmp")) for i in range(count)]
     bin_dir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", RAY_AUTH_MODE="token" if is_token_auth_enabled() else "disabled")
     if env["RAY_AUTH_MODE"] == "token":
         subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    if audit:
+        (temps[0] / "audit").mkdir()
+        (temps[0] / "audit" / "sitecustomize.py").write_text(AUDIT_OPENS)
+        env.update(PYTHONPATH=os.pathsep.join([str(temps[0] / "audit"), *filter(None, [env.get("PYTHONPATH")])]),
+                   INTERLACE_TEST_OPENS=str(temps[0] / "opens.log"))
     (port,) = free_ports(1)
-    (temps[0] / "audit").mkdir()
-    (temps[0] / "audit" / "sitecustomize.py").write_text(AUDIT_OPENS)
-    audit = {"PYTHONPATH": os.pathsep.join([str(temps[0] / "audit"), *filter(None, [env.get("PYTHONPATH")])]),
-             "INTERLACE_TEST_OPENS": str(temps[0] / "opens.log")}
     try:
-        _start_node(temps[0], {**env, **audit, "INTERLACE_TEST_NODE": "127.0.0.1"}, "127.0.0.1", port)
-        _start_node(temps[1], {**env, **audit, "INTERLACE_TEST_NODE": "127.0.0.2"}, "127.0.0.2", port,
-                    "--address", f"127.0.0.1:{port}")
+        for i, temp in enumerate(temps):
+            ip = f"127.0.0.{i + 1}"
+            joins = ("--address", f"127.0.0.1:{port}") if i else ()
+            _start_node(temp, {**env, "INTERLACE_TEST_NODE": ip}, ip, port, *joins, ranks=ranks)
         ray.init(address=f"127.0.0.1:{port}")
-        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+        assert len([n for n in ray.nodes() if n["Alive"]]) == count
         yield temps
     finally:
         ray.shutdown()
@@ -123,6 +127,13 @@ def two_nodes():
                 line = " ".join(proc.info["cmdline"] or [])
                 if "--address=" in line and f":{port}" in line and proc.pid != os.getpid():
                     proc.kill()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """Two Ray nodes on this host, a rank slot each, audited (AUDIT_OPENS)."""
+    with ray_nodes(2, audit=True) as temps:
+        yield temps
 
 
 @pytest.fixture

@@ -11,10 +11,7 @@ and equal to one engine's, on the replica rebuilt over the two nodes left.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,43 +22,15 @@ import interlace
 from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
 from test_cluster import assert_same, build, reference
 from test_cluster_parallel import two_stages_on
-from test_multinode import _start_node
-from test_sweep import free_ports, stop_private_ray
+from test_multinode import ray_nodes
 
 
 @pytest.fixture(scope="module")
 def three_nodes():
     """Three Ray nodes on this host (127.0.0.1 the head, 127.0.0.2, 127.0.0.3), two rank slots each,
     the driver joined."""
-    import ray
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
-
-    assert not ray.is_initialized()
-    temps = [Path(tempfile.mkdtemp(prefix=f"irl{i}", dir="/tmp")) for i in range(3)]
-    bin_dir = Path(sys.executable).parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", RAY_AUTH_MODE="token" if is_token_auth_enabled() else "disabled")
-    if env["RAY_AUTH_MODE"] == "token":
-        import subprocess
-
-        subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
-    (port,) = free_ports(1)
-    try:
-        _start_node(temps[0], env, "127.0.0.1", port, ranks=2)
-        for i in (1, 2):
-            _start_node(temps[i], env, f"127.0.0.{i + 1}", port, "--address", f"127.0.0.1:{port}", ranks=2)
-        ray.init(address=f"127.0.0.1:{port}")
-        assert len([n for n in ray.nodes() if n["Alive"]]) == 3
+    with ray_nodes(3, ranks=2) as temps:
         yield temps
-    finally:
-        ray.shutdown()
-        for temp in temps:
-            stop_private_ray(temp)
-        for proc in psutil.process_iter(["cmdline"]):  # the head's Ray client server names no temp folder
-            with contextlib.suppress(psutil.Error):
-                line = " ".join(proc.info["cmdline"] or [])
-                if "--address=" in line and f":{port}" in line and proc.pid != os.getpid():
-                    proc.kill()
 
 
 def _raylet_of(temp: Path) -> psutil.Process:
