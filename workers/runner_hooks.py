@@ -209,12 +209,10 @@ def _max_over(cpu_group):
 
 def _give_blocks(kv_blocks: KVBlocks, scheduler_output) -> None:
     """Every block the scheduler handed out this step, to whom (see KVBlocks.given)."""
-    for new in scheduler_output.scheduled_new_reqs:
-        kv_blocks.given(new.req_id, new.block_ids)
     cached = scheduler_output.scheduled_cached_reqs
-    for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
-        if blocks is not None:
-            kv_blocks.given(req_id, blocks)
+    kv_blocks.given([*((new.req_id, new.block_ids) for new in scheduler_output.scheduled_new_reqs),
+                     *((req_id, blocks) for req_id, blocks in zip(cached.req_ids, cached.new_block_ids)
+                       if blocks is not None)])
 
 
 def _may_write(invoke) -> bool:
