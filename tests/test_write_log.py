@@ -3,74 +3,81 @@ and what happens past the limit (workers/write_log.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from interlace.workers.points import Point
-import numpy as np
-
-from interlace.workers.write_log import Written, WriteLog, record_rows, replay_writes
+from interlace.workers.slots import SlotTable
+from interlace.workers.write_log import WriteBook, Written
 
 RESID = Point("model.layers.1", "resid")
 OUT = Point("model.layers.2.mlp", "output")
 
 
+def book_with(n: int, limit: int = 1 << 20) -> tuple[WriteBook, list[int], list]:
+    table = SlotTable()
+    slots = [table.add(prompt_len=3, max_save_bytes=0, timeout_s=1.0, invoke=i, some_steps=False) for i in range(n)]
+    book = WriteBook(table, limit)
+    return book, slots, [book.open(slot) for slot in slots]
+
+
+def a(*values) -> np.ndarray:
+    return np.array(values, np.int64)
+
+
 def test_a_recomputed_chunk_gets_each_invokes_own_rows_at_their_positions():
+    book, (s0, s1), (log0, log1) = book_with(2)
     # a batched call over two invokes: invoke 0 owns rows 0:3 (prompt positions 0-2), invoke 1 rows 3:5
-    step0 = Written(torch.arange(5.0)[:, None].repeat(1, 4), 5, None)
-    log0, log1 = WriteLog(1 << 20), WriteLog(1 << 20)
-    log0.record(RESID, 0, step0, 0, 3, 48, step=0)
-    log1.record(RESID, 0, step0, 3, 5, 32, step=0)
-    log0.record(RESID, 3, Written(torch.full((1, 4), 9.0), 1, None), 0, 1, 16, step=1)  # step 1, position 3
+    book.record(RESID, Written(torch.arange(5.0)[:, None].repeat(1, 4), 5, None), a(s0, s1), a(0, 0), a(0, 3), a(3, 5),
+                a(48, 32), a(0, 0))
+    book.record(RESID, Written(torch.full((1, 4), 9.0), 1, None), a(s0), a(3), a(0), a(1), a(16), a(1))  # step 1, position 3
     # (hidden, residual) of a layer's output: the tuple is kept, per-token element by element
-    log0.record(OUT, 3, Written((torch.full((1, 4), 7.0), None), 1, None), 0, 1, 16, step=1)
+    book.record(OUT, Written((torch.full((1, 4), 7.0), None), 1, None), a(s0), a(3), a(0), a(1), a(16), a(1))
 
-    # invoke 0 recomputed from position 1 (position 0 still in the prefix cache), its chunk at batch row 10
-    got = replay_writes(log0, first=1, stop=4, start_row=10)
-    # positions 1-2 of step 0 and 3 of step 1 follow each other: one write of 3 rows
-    assert [(p, row, n) for p, row, n, _v in got] == [(RESID, 10, 3), (OUT, 12, 1)]
-    assert got[0][3].flatten().tolist() == [1.0] * 4 + [2.0] * 4 + [9.0] * 4
-    assert got[1][3][1] is None and got[1][3][0].flatten().tolist() == [7.0] * 4
-    [(_p, row, n, value)] = replay_writes(log1, first=0, stop=2, start_row=0)
-    assert (row, n) == (0, 2) and value[:, 0].tolist() == [3.0, 4.0]
-    assert replay_writes(log0, first=4, stop=4, start_row=0) == []  # nothing recomputed: nothing replayed
-
-
-def test_decode_steps_logged_a_row_at_a_time_come_back_as_one_write_per_run_of_positions():
-    """A recomputed request gets one write per run of consecutive positions, not one per decode
-    step; a position the log lacks (never written) ends a run, in order."""
-    log = WriteLog(1 << 20)
-    log.record(RESID, 0, Written(torch.zeros(4, 2), 4, None), 0, 4, 32, step=0)  # the prompt
-    for pos in [*range(4, 40), *range(41, 50)]:  # a decode step each; position 40 not written
-        log.record(RESID, pos, Written(torch.full((3, 2), float(pos)), 3, None), 1, 2, 8, step=pos - 3)
-    got = replay_writes(log, first=2, stop=45, start_row=7)
-    assert [(row, n) for _p, row, n, _v in got] == [(7, 38), (46, 4)]
-    assert got[0][3][:, 0].tolist() == [0.0, 0.0, *map(float, range(4, 40))]
-    assert got[1][3][:, 1].tolist() == [41.0, 42.0, 43.0, 44.0]
+    # invoke 0 recomputed from position 1 (position 0 still in the prefix cache), its chunk at batch
+    # row 10; invoke 1 whole (positions 0-1) at rows 0-1, in the same step
+    got = book.replay(a(log0.id, log1.id), firsts=a(1, 0), stops=a(4, 2), start_rows=a(10, 0))
+    assert [(p, rows.tolist(), which.tolist()) for p, rows, _v, which in got] == [
+        (RESID, [10, 11, 0, 1, 12], [0, 1]), (OUT, [12], [0])]
+    assert got[0][2][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 9.0]
+    assert got[1][2][1] is None and got[1][2][0].flatten().tolist() == [7.0] * 4
+    [(_p, rows, value, _w)] = book.replay(a(log1.id), firsts=a(0), stops=a(2), start_rows=a(0))
+    assert rows.tolist() == [0, 1] and value[:, 0].tolist() == [3.0, 4.0]
+    assert book.replay(a(log0.id), firsts=a(4), stops=a(4), start_rows=a(0)) == []  # nothing recomputed: nothing
 
 
-def test_past_its_limit_a_log_is_dropped_and_says_where():
-    log = WriteLog(100)
-    log.record(RESID, 0, Written(torch.zeros(3, 4), 3, None), 0, 3, 60, step=0)
-    assert log.replayable and log.bytes == 60
-    log.record(RESID, 3, Written(torch.zeros(3, 4), 3, None), 0, 3, 60, step=1)
-    assert not log.replayable and log.entries == {} and log.bytes == 0
-    assert "INTERLACE_REPLAY_LOG_MIB" in log.overflow and "layers.1.resid, step 1" in log.overflow
-    log.record(RESID, 4, Written(torch.zeros(1, 4), 1, None), 0, 1, 16, step=2)  # nothing kept from then on
-    assert log.entries == {}
+def test_decode_steps_logged_a_row_at_a_time_come_back_as_one_write_in_position_order():
+    """A recomputed request gets one write per point, not one per decode step; a position the
+    log lacks (never written) is left as recomputed."""
+    book, [slot], [log] = book_with(1)
+    book.record(RESID, Written(torch.zeros(4, 2), 4, None), a(slot), a(0), a(0), a(4), a(32), a(0))  # the prompt
+    for pos in [*range(4, 40), *range(41, 50)]:  # a decode step each (row 1 of a 3-row copy); 40 not written
+        book.record(RESID, Written(torch.full((3, 2), float(pos)), 3, None), a(slot), a(pos), a(1), a(2), a(8), a(pos - 3))
+    [(point, rows, value, _w)] = book.replay(a(log.id), firsts=a(2), stops=a(45), start_rows=a(7))
+    assert point == RESID and rows.tolist() == [*range(7, 45), *range(46, 50)]
+    assert value[:, 0].tolist() == [0.0, 0.0, *map(float, range(4, 40)), 41.0, 42.0, 43.0, 44.0]
 
 
-def test_a_calls_rows_logged_in_one_pass_equal_logging_each_invoke_and_one_past_its_limit_drops_only_its_own():
-    written = Written(torch.arange(6.0)[:, None].repeat(1, 4), 6, None)
-    firsts, starts, stops = np.array([5, 0, 9]), np.array([0, 1, 3]), np.array([1, 3, 6])  # 1, 2 and 3 rows
-    each = [WriteLog(40), WriteLog(40), WriteLog(40)]
-    for log, first, a, b, step in zip(each, firsts.tolist(), starts.tolist(), stops.tolist(), [5, 0, 7]):
-        log.record(RESID, first, written, a, b, 16 * (b - a), step)
-    at_once = [WriteLog(40), None, WriteLog(40), WriteLog(40)]
-    record_rows(at_once[:1] + at_once[2:], RESID, firsts.tolist(), written, starts.tolist(), stops.tolist(),
-                (16 * (stops - starts)).tolist(), [5, 0, 7])
-    for one, other in zip(each, at_once[:1] + at_once[2:]):
-        assert (one.bytes, one.overflow) == (other.bytes, other.overflow)
-        assert [list(e) for e in one.entries.values()] == [list(e) for e in other.entries.values()]
-    assert not at_once[3].replayable and "step 7" in at_once[3].overflow  # 48 bytes past 40: its own log only
-    assert at_once[0].replayable and at_once[2].replayable
-    record_rows([at_once[1]], RESID, [5], written, [0], [1], [16], [5])  # None: nothing kept
+def test_past_its_limit_a_log_is_dropped_says_where_and_others_of_its_call_are_kept():
+    book, (s0, s1), (log0, log1) = book_with(2, limit=100)
+    written = Written(torch.zeros(6, 4), 6, None)
+    book.record(RESID, written, a(s0, s1), a(0, 0), a(0, 3), a(3, 6), a(60, 24), a(0, 0))
+    assert log0.replayable and book.slots.log_bytes[s0] == 60
+    book.record(RESID, written, a(s0, s1), a(3, 3), a(0, 3), a(3, 6), a(60, 24), a(1, 1))
+    assert not log0.replayable and log1.replayable
+    assert "INTERLACE_REPLAY_LOG_MIB" in log0.overflow and "layers.1.resid, step 1" in log0.overflow
+    book.record(RESID, written, a(s0, s1), a(6, 6), a(0, 3), a(3, 6), a(1, 1), a(2, 2))  # nothing of it kept from then on
+    assert [e.ids.tolist() for e in book.entries] == [[log0.id, log1.id], [log1.id], [log1.id]]
+    [(_p, rows, _v, _w)] = book.replay(a(log1.id), firsts=a(0), stops=a(9), start_rows=a(0))
+    assert rows.tolist() == list(range(9))
+
+
+def test_entries_are_let_go_once_none_of_their_invokes_is_live():
+    book, (s0, s1), (log0, log1) = book_with(2)
+    for step in range(100):  # invoke 0 alone for 100 steps, then both
+        book.record(RESID, Written(torch.zeros(1, 2), 1, None), a(s0), a(step), a(0), a(1), a(8), a(step))
+    book.record(RESID, Written(torch.zeros(2, 2), 2, None), a(s0, s1), a(100, 0), a(0, 1), a(1, 2), a(8, 8), a(100, 0))
+    book.close([log0])
+    assert [e.ids.tolist() for e in book.entries] == [[log0.id, log1.id]]  # invoke 1's rows are in it
+    book.close([log1])
+    assert book.entries == []

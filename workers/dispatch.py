@@ -30,7 +30,7 @@ from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.tp_agreement import agree_on_paths
-from interlace.workers.write_log import Written, record_rows, row_bytes
+from interlace.workers.write_log import WriteBook, Written, row_bytes
 
 
 class PointDispatcher:
@@ -38,11 +38,12 @@ class PointDispatcher:
 
     def __init__(self, tree: ModuleTree, tp: TensorParallelLayout, stages: StageMap, hooks: HookSet, taps,
                  slots: SlotTable, save_rows: Callable[..., None],
-                 agree_max: Callable[[np.ndarray], np.ndarray] | None, at_taps: Callable[[Point], bool] | None = None):
+                 agree_max: Callable[[np.ndarray], np.ndarray] | None, book: WriteBook,
+                 at_taps: Callable[[Point], bool] | None = None):
         """The interleaver's own parts, shared (``taps``: its graph taps, or None). ``save_rows``:
         how an op's saved rows are kept (the interleaver's ``_save_rows``: limits, ledger, report
         file); ``agree_max``: under TP > 1, the max over the group for agreement rounds (None: none);
-        ``at_taps``: whether a point is served between graph pieces (None: no taps)."""
+        ``book``: where programs' writes are logged (write_log.py); ``at_taps``: whether a point is served between graph pieces (None: no taps)."""
         self.tree = tree
         self.tp = tp
         self.stages = stages
@@ -52,6 +53,7 @@ class PointDispatcher:
         self.save_rows = save_rows
         self.agree_max = agree_max
         self.at_taps = at_taps
+        self.book = book
         self.pinned = PinnedSlabs()  # programs' logged writes, from a GPU (write_log.py)
 
     def dispatch(self, step: Step, module: str, family: str, hooked: Any, copies: bool = False) -> Any:
@@ -101,20 +103,19 @@ class PointDispatcher:
     def _replay(self, step: Step, module: str, family: str, access: PointAccess) -> None:
         """Put back, on rows vLLM recomputed after preempting their request, what the program
         wrote at this hook the first time (after the hook's ops, as then)."""
-        for point, rows, value, state in step.replays.get((module, family), ()):
-            if state.error is not None:
-                continue
-            try:
+        for point, rows, value, states in step.replays.get((module, family), ()):
+            try:  # every recomputed request's rows at once (a failed one's rows too: never returned)
                 access.write(point, rows, value)
             except Exception as exc:  # noqa: BLE001
-                state.fail(error_record(exc, where=f"replaying the program's writes at {point}"))
+                for state in states:
+                    state.fail(error_record(exc, where=f"replaying the program's writes at {point}"))
 
     def _log_writes(self, delivered: list[tuple[ProgramCall, CallContext]]) -> None:
-        """The hook returns: log, per invoke, the final rows of each point the programs changed
-        here (this rank's piece under TP), for a recomputation after a preemption (write_log.py).
-        What many calls wrote at one point (a program per invoke) goes to the host as one copy:
-        a copy per call cost a 64-invoke CPU step 3.5 ms, and on a GPU each took a pinned piece,
-        an event and a copy launch."""
+        """The hook returns: log the final rows of each point the programs changed here (this
+        rank's piece under TP), for a recomputation after a preemption (write_log.py). What many
+        calls wrote at one point (a program per invoke) goes to the host as one copy and one
+        entry: a copy per call cost a 64-invoke CPU step 3.5 ms, and on a GPU each took a pinned
+        piece, an event and a copy launch."""
         by_point: dict[Point, list[tuple[ProgramCall, CallContext, Held]]] = {}
         for call, ctx in delivered:
             if not ctx.holds.live or not _logs(ctx):
@@ -127,50 +128,45 @@ class PointDispatcher:
                 slabs: list = []
                 num_rows = [ctx.num_rows for _c, ctx, _h in writers]
                 joined, copies = _joined_to_host([held.written for _c, _x, held in writers], num_rows, self.pinned, slabs)
-                if slabs:  # given back once no invoke's log holds the rows
+                if slabs:  # given back once no entry holds the rows
                     weakref.finalize(copies[0][2], _release_all, self.pinned, slabs)
-                if joined:  # one host tensor for every writer: each invoke's log points at its rows of it
+                if joined:  # one host tensor for every writer: one entry, each invoke at its rows of it
                     value, ready, hold = copies[0]
                     self._log_joined(point, writers, Written(value, sum(num_rows), ready, hold))
                     continue
-                for (call, ctx, held), (value, ready, hold) in zip(writers, copies):
+                for (_call, ctx, held), (value, ready, hold) in zip(writers, copies):
                     held.written = None
-                    written = Written(value, ctx.num_rows, ready, hold)
                     per_row = row_bytes(held.value, ctx.num_rows)  # whole values: every TP rank counts alike
-                    record_rows([state.writes for state in ctx.invokes], point, ctx.members.firsts.tolist(), written,
-                                ctx.local_starts.tolist(), ctx.local_stops.tolist(), (per_row * ctx.lengths).tolist(),
-                                ctx.steps)
+                    members = ctx.members
+                    self.book.record(point, Written(value, ctx.num_rows, ready, hold), members.slots, members.firsts,
+                                     ctx.local_starts, ctx.local_stops, per_row * ctx.lengths, members.steps)
             except Exception as exc:  # noqa: BLE001
                 for call, _ctx, _held in writers:
                     call.error = call.error or error_record(exc, where=f"logging the program's writes at {call.view.where()}")
 
-    @staticmethod
-    def _log_joined(point: Point, writers: list, written: Written) -> None:
-        """Log the writers' rows of one joined host copy (``written``): one record_rows pass over
-        every invoke of every call, each at its rows' offset in the copy. With a program per
-        invoke a decode step logs 256 one-row calls here; a Written and a host view each cost
-        the step 1.5 ms on a 2-core CPU."""
+    def _log_joined(self, point: Point, writers: list, written: Written) -> None:
+        """Log the writers' rows of one joined host copy (``written``) as one entry, each invoke
+        at its rows' offset in the copy. With a program per invoke a decode step logs 256
+        one-row calls here; a Written and a host view each cost the step 1.5 ms on a 2-core CPU."""
         per_row = row_bytes(writers[0][2].value, writers[0][1].num_rows)  # whole values: every TP rank counts alike
-        logs, firsts, starts, stops, sizes, steps = [], [], [], [], [], []
-        offset = 0
-        for _call, ctx, held in writers:
+        for _call, _ctx, held in writers:
             held.written = None
-            if ctx.num_rows == 1 and len(ctx.invokes) == 1:
-                logs.append(ctx.invokes[0].writes)
-                firsts.append(int(ctx.members.firsts[0]))
-                starts.append(offset)
-                stops.append(offset + 1)
-                sizes.append(per_row)
-                steps.append(int(ctx.members.steps[0]))
-            else:
-                logs.extend(state.writes for state in ctx.invokes)
-                firsts.extend(ctx.members.firsts.tolist())
-                starts.extend((ctx.local_starts + offset).tolist())
-                stops.extend((ctx.local_stops + offset).tolist())
-                sizes.extend((per_row * ctx.lengths).tolist())
-                steps.extend(ctx.steps)
-            offset += ctx.num_rows
-        record_rows(logs, point, firsts, written, starts, stops, sizes, steps)
+        if all(ctx.num_rows == 1 and len(ctx.invokes) == 1 for _c, ctx, _h in writers):  # a decode step
+            n = len(writers)
+            starts = np.arange(n, dtype=np.int64)
+            self.book.record(point, written, np.fromiter((ctx.invokes[0].slot for _c, ctx, _h in writers), np.int64, n),
+                             np.fromiter((ctx.members.firsts[0] for _c, ctx, _h in writers), np.int64, n),
+                             starts, starts + 1, np.full(n, per_row, np.int64),
+                             np.fromiter((ctx.members.steps[0] for _c, ctx, _h in writers), np.int64, n))
+            return
+        offsets = np.cumsum([0] + [ctx.num_rows for _c, ctx, _h in writers[:-1]])
+        members = [ctx.members for _c, ctx, _h in writers]
+        self.book.record(point, written, np.concatenate([m.slots for m in members]),
+                         np.concatenate([m.firsts for m in members]),
+                         np.concatenate([ctx.local_starts + at for (_c, ctx, _h), at in zip(writers, offsets)]),
+                         np.concatenate([ctx.local_stops + at for (_c, ctx, _h), at in zip(writers, offsets)]),
+                         np.concatenate([per_row * ctx.lengths for _c, ctx, _h in writers]),
+                         np.concatenate([m.steps for m in members]))
 
     def take_tapped(self, tapped: list[tuple[Point, StepOp]], memo: dict) -> None:
         """The saves that ran in taps: their rows, from the taps' buffers (read before the next

@@ -51,7 +51,7 @@ from interlace.workers.step_schedule import StepScheduler
 from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.tp_agreement import agree_on_time
 from interlace.workers.view import ProgramView
-from interlace.workers.write_log import WriteLog, replay_writes
+from interlace.workers.write_log import WriteBook
 
 PAYLOAD_KEY = "interlace"
 logger = logging.getLogger("interlace")
@@ -96,10 +96,12 @@ class Interleaver(ProgramServices):
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
         self.replay_log_bytes = settings.replay_log_bytes()  # each program invoke's write log (write_log.py)
+        self.book = WriteBook(self.slots, self.replay_log_bytes)
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
-                                          self._save_rows, agree_max, self.at_taps if self.taps is not None else None)
+                                          self._save_rows, agree_max, self.book,
+                                          self.at_taps if self.taps is not None else None)
         self.reports = ReportBatcher(self.ledger, self.slots, self.reporter, rank_info["pp_rank"])
 
     @property
@@ -159,7 +161,7 @@ class Interleaver(ProgramServices):
                 state.program = self._programs[key]
                 state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
                 if self.replay_log_bytes > 0:
-                    state.writes = WriteLog(self.replay_log_bytes)
+                    state.writes = self.book.open(state.slot)
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
                 self.slots.group[state.slot] = self.scheduler.group_number(state.group_key)
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
@@ -233,6 +235,7 @@ class Interleaver(ProgramServices):
         finished = [state for state in map(self.invokes.pop, req_ids, [None] * len(req_ids)) if state]
         if finished:
             self.scheduler.end_epochs()
+            self.book.close([state.writes for state in finished if state.writes is not None])
         for state in finished:
             self._untapped.discard(state.req_id)
             self._off_pieces.discard(state.req_id)
@@ -364,19 +367,24 @@ class Interleaver(ProgramServices):
 
     def _replays(self, scheduled) -> dict:
         """The logged program writes to put back on rows this step recomputes after a preemption,
-        by hook (write_log.py); their hooks are wanted again (the program may read elsewhere now)."""
+        by hook (write_log.py): one write per point for every recomputed request. Their hooks are
+        wanted again (the program may read elsewhere now)."""
+        recomputed = [j for j in np.flatnonzero(scheduled.firsts < scheduled.replay_until).tolist()
+                      if scheduled.states[j].writes is not None and scheduled.states[j].error is None]
+        if not recomputed:
+            return {}
+        index = np.array(recomputed, np.int64)
+        states = [scheduled.states[j] for j in recomputed]
+        firsts, starts = scheduled.firsts[index], scheduled.starts[index]
+        stops = np.minimum(firsts + scheduled.stops[index] - starts, scheduled.replay_until[index])
+        ids = np.fromiter((state.writes.id for state in states), np.int64, len(states))
         by_hook: dict = {}
-        recomputed = np.flatnonzero(scheduled.firsts < scheduled.replay_until)
-        for j in recomputed.tolist():
-            state = scheduled.states[j]
-            if state.writes is None or state.error is not None:
-                continue
-            first, start = int(scheduled.firsts[j]), int(scheduled.starts[j])
-            stop = min(first + int(scheduled.stops[j]) - start, int(scheduled.replay_until[j]))
-            for point, row, n, value in replay_writes(state.writes, first, stop, start):
+        for point, rows, value, which in self.book.replay(ids, firsts, stops, starts):
+            owners = [states[k] for k in which.tolist()]
+            for state in owners:
                 self.hooks.want(point, owner=state.req_id)
-                by_hook.setdefault(hook_of(point), []).append(
-                    (point, Rows(slice(row, row + n)), _to_device(value, self.device), state))
+            by_hook.setdefault(hook_of(point), []).append(
+                (point, Rows.at(rows, self.device), _to_device(value, self.device), owners))
         return by_hook
 
     def end_step(self) -> dict[str, Carried]:

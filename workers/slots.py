@@ -18,7 +18,7 @@ import numpy as np
 _COLUMNS = {"prompt_len": np.int64, "next_position": np.int64, "replay_until": np.int64,
             "save_used": np.int64, "save_limit": np.int64, "time_left": np.float64, "invoke": np.int64,
             "group": np.int64, "some_steps": np.bool_, "ops_expected": np.int64, "ops_applied": np.int64,
-            "last_step": np.int64}
+            "last_step": np.int64, "log_id": np.int64, "log_bytes": np.int64}
 ALL_STEPS = np.iinfo(np.int64).max  # last_step of an invoke whose saves are all kept
 
 
@@ -51,6 +51,8 @@ class SlotTable:
         self.ops_expected[slot] = 0  # a bit per op it carries on this rank (see ops.applied_bit)
         self.ops_applied[slot] = 0  # the bits of those ops that have selected some row
         self.last_step[slot] = ALL_STEPS  # once it finished: the last step whose token it returned
+        self.log_id[slot] = -1  # its write log's number in the rank's WriteBook (write_log.py); -1: none kept
+        self.log_bytes[slot] = 0  # the bytes that log holds, against its limit
         return slot
 
     def remove(self, slot: int) -> None:

@@ -217,7 +217,7 @@ class Step:
     carry: dict[str, Carried] = field(default_factory=dict)  # for the next pipeline stage
     tapped: list[tuple[Point, StepOp]] = field(default_factory=list)  # saves that ran in graph taps
     # by hook: logged program writes to put back on rows recomputed after a preemption (write_log.py)
-    replays: dict[tuple[str, str], list[tuple[Point, Rows, Any, InvokeState]]] = field(default_factory=dict)
+    replays: dict[tuple[str, str], list[tuple[Point, Rows, Any, list[InvokeState]]]] = field(default_factory=dict)
     memo: dict = field(default_factory=dict)  # work shared by the steps of an epoch (StepScheduler.memo)
     times_agreed: bool = False  # under TP: the last path round saw every call done, so its times are final
 

@@ -6,174 +6,242 @@ When the KV cache runs short, vLLM preempts a request and later recomputes it fr
 recomputed rows (ops.py). A program is not run again for the steps it already ran: its reads were
 used then, its saves, shared values and messages were made once, and running it twice would make
 them twice. What the recomputed rows need of it is its effect on the forward pass, which is
-exactly the writes it made: at which point, at which positions, which values. So every program
-invoke keeps a :class:`WriteLog`: whenever a hook returns after the program changed the rows it
-was handed there (an assignment, or an in-place edit), the rows' final values are copied to host
-memory under (point, first position). A recomputed chunk gets those rows written back at the same
-points (:func:`replay_writes`), after the point's ops as the first time; the program then runs
-live from the first step it had not run.
+exactly the writes it made: at which point, at which positions, which values. So whenever a hook
+returns after programs changed the rows they were handed there (an assignment, or an in-place
+edit), the rows' final values are copied to host memory, and the rank's :class:`WriteBook` keeps
+them as one entry: the point, the host copy, and for each invoke its log's number, its rows of the
+copy and their first position. A recomputed chunk gets those rows written back at the same points
+(:meth:`WriteBook.replay`), after the point's ops as the first time; the program then runs live
+from the first step it had not run.
+
+One entry per point and step for a whole call (or for the one-invoke calls of a program per
+invoke, joined), as arrays, not one per invoke: a batched call over 1,024 invokes logging every
+invoke's rows cost about 2 ms a step on one H200 host, and a recomputed request's replay walked
+its log row by row. The replay of a step is array arithmetic per entry, and one write per point
+for every recomputed request.
 
 Only token points are logged (``output``, ``input``, ``resid``, ``final``): a write to ``logits``
 or ``samples`` changed a token that is now part of the request's sequence, which vLLM recomputes
 from.
 
-Cost: a copy to host memory of the rows a program wrote, per written point and step (from a GPU
-asynchronous, into reused pinned slabs: pinned.py); while a log is kept, a program's reads of module outputs and inputs are copies (so an
-in-place edit shows in their version counters) where they would be views of vLLM's tensors.
-Memory: host memory, at most ``INTERLACE_REPLAY_LOG_MIB`` per invoke (64 by default), counted by
-the whole (unsplit) values the program wrote, so every TP rank decides alike. Past it the log is
-dropped; the invoke goes on, and fails with a message naming the limit only if it is preempted.
+Cost: a copy to host memory of the rows programs wrote, per written point and step (from a GPU
+asynchronous, into reused pinned slabs: pinned.py); while a log is kept, a program's reads of
+module outputs and inputs are copies (so an in-place edit shows in their version counters) where
+they would be views of vLLM's tensors. Memory: host memory, at most ``INTERLACE_REPLAY_LOG_MIB``
+per invoke (64 by default), counted by the whole (unsplit) values the program wrote, so every TP
+rank decides alike (a SlotTable column). Past it the invoke's log is dropped; the invoke goes on,
+and fails with a message naming the limit only if it is preempted. An entry is let go once none
+of its invokes is live.
 
-    log = WriteLog(limit_bytes=64 << 20)
-    log.record(point, first, Written(value, num_rows, ready), start, stop, full_bytes, step)  # per invoke
-    replay_writes(log, first, stop, start_row)          # -> [(point, batch row, rows, value)]
+    book = WriteBook(slot_table, limit_bytes=64 << 20)
+    log = book.open(slot)                                   # an invoke with a program: its WriteLog
+    book.record(point, Written(value, num_rows, ready), slots, firsts, starts, stops, sizes, steps)
+    book.replay(log_ids, firsts, stops, start_rows)         # -> [(point, batch rows, value, requests)]
+    book.close([log])                                       # it finished
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
-from interlace.workers.points import Point
+from interlace.workers.points import Point, expand_ranges
+from interlace.workers.slots import SlotTable
 
 
 class Written:
-    """The rows of one point a call wrote in one step, on the host, for all its invokes (each
-    invoke's log refers to its own rows of it: a batched call copies once)."""
+    """The rows of one point one or more calls wrote in one step, on the host, for all their
+    invokes (each invoke's entry refers to its own rows of it: a batched call copies once)."""
 
     __slots__ = ("value", "num_rows", "ready", "hold")
 
     def __init__(self, value: Any, num_rows: int, ready: Any, hold: Any = None):
         self.value = value  # a tensor, or a module's tuple output (None for what is not per token)
-        self.num_rows = num_rows  # the call's token rows
+        self.num_rows = num_rows  # the calls' token rows
         self.ready = ready  # the CUDA event its copy from the GPU waits on (None on a CPU)
         self.hold = hold  # shared by the Written of one host copy: its pinned slabs go back with the last
 
 
-class PointLog:
-    """One invoke's logged writes at one point, in the order made: entry i is rows
-    ``starts[i]:stops[i]`` of ``written[i]``, at positions from ``firsts[i]``. Columns, not a tuple
-    per entry: a decode step logs an entry per invoke, and half a million tuples alive in 1,024
-    invokes' logs made Python's full collections take 180 ms each, 2.7 s of a 45 s run (1B shape,
-    one H200, 2026-11-29)."""
-
-    __slots__ = ("firsts", "written", "starts", "stops")
-
-    def __init__(self):
-        self.firsts: list[int] = []
-        self.written: list[Written] = []
-        self.starts: list[int] = []
-        self.stops: list[int] = []
-
-    def __iter__(self):
-        return zip(self.firsts, self.written, self.starts, self.stops)
-
-
 class WriteLog:
-    """One invoke's writes to token points, by point (:class:`PointLog`)."""
+    """One invoke's log: its number in the rank's book, and why it was dropped if it was."""
 
-    __slots__ = ("limit", "bytes", "entries", "overflow")
+    __slots__ = ("id", "limit", "overflow")
 
-    def __init__(self, limit_bytes: int):
+    def __init__(self, log_id: int, limit_bytes: int):
+        self.id = log_id
         self.limit = limit_bytes
-        self.bytes = 0
-        self.entries: dict[Point, PointLog] = {}
-        self.overflow: str | None = None  # why the log was dropped (then it holds nothing)
+        self.overflow: str | None = None  # why the log was dropped (then nothing of it is replayed)
 
     @property
     def replayable(self) -> bool:
         return self.overflow is None
 
-    def record(self, point: Point, first: int, written: Written, start: int, stop: int, full_bytes: int,
-               step: int) -> None:
-        """Keep rows ``start:stop`` of ``written`` as what ``point`` held at positions from
-        ``first`` once the program was done (at generation ``step``). ``full_bytes``: their size as
-        the program saw them (whole under TP), for the limit."""
-        record_rows([self], point, [first], written, [start], [stop], [full_bytes], [step])
-
     def drop(self, point: Point, step: int) -> None:
         """Past the limit: keep nothing from now on, and say where it was passed."""
         self.overflow = (f"its write log passed INTERLACE_REPLAY_LOG_MIB ({self.limit / 2**20:g} MiB) "
                          f"at {point}, step {step}")
-        self.entries.clear()
-        self.bytes = 0
 
 
-def record_rows(logs: list[WriteLog | None], point: Point, firsts: list[int], written: Written,
-                starts: list[int], stops: list[int], sizes: list[int], steps: list[int]) -> None:
-    """:meth:`WriteLog.record` for each invoke of one call, in one pass (invoke j: rows
-    ``starts[j]:stops[j]`` of ``written`` at positions from ``firsts[j]``, ``sizes[j]`` bytes;
-    None: keeps no log). A batched call over 1,024 invokes logs every step, and a method call per
-    invoke cost 2 ms a step on a 2-core CPU (half that in this loop)."""
-    for log, first, start, stop, size, step in zip(logs, firsts, starts, stops, sizes, steps):
-        if log is None or log.overflow is not None:
-            continue
-        if log.bytes + size > log.limit:
-            log.drop(point, step)
-            continue
-        log.bytes += size
-        entries = log.entries.get(point)
-        if entries is None:
-            entries = log.entries[point] = PointLog()
-        entries.firsts.append(first)
-        entries.written.append(written)
-        entries.starts.append(start)
-        entries.stops.append(stop)
+class _Entry:
+    """What the calls of one hook wrote at ``point`` in one step: invoke ``ids[i]``'s rows are
+    ``starts[i]:stops[i]`` of ``written``, at positions from ``firsts[i]``."""
+
+    __slots__ = ("point", "written", "ids", "firsts", "starts", "stops")
+
+    def __init__(self, point: Point, written: Written, ids: np.ndarray, firsts: np.ndarray, starts: np.ndarray,
+                 stops: np.ndarray):
+        self.point, self.written = point, written
+        self.ids, self.firsts, self.starts, self.stops = ids, firsts, starts, stops
 
 
-def replay_writes(log: WriteLog, first: int, stop: int, start_row: int) -> list[tuple[Point, int, int, Any]]:
-    """The logged writes to replay on a recomputed chunk: positions ``first:stop`` (those computed
-    before the preemption), whose first row is ``start_row`` of the flat batch. Returns
-    ``(point, batch row, rows, value)`` in the order they were made; ``value`` holds ``rows`` rows.
+class WriteBook:
+    """Every program invoke's logged writes on this rank (see the module's docstring)."""
 
-    Writes of one point at consecutive positions come back as one (their rows joined on the host):
-    a decode step logs one row per invoke, and writing back a recomputed request of 400 tokens row
-    by row took 400 copies to the GPU and 1,200 small kernels; steps recomputing 16k tokens then ran
-    460-500 ms against 21 ms (1B shape, one H200, 2026-11-29)."""
-    out = []
-    for point, entries in log.entries.items():
-        ats = np.asarray(entries.firsts)  # which entries overlap first:stop, for all at once
-        starts, stops = np.asarray(entries.starts), np.asarray(entries.stops)
-        los, his = np.maximum(ats, first), np.minimum(ats + (stops - starts), stop)
-        run: list[tuple[Any, int | None]] = []  # consecutive rows not yet emitted: (value, its token dim)
-        run_lo = run_hi = 0
-        for i in np.flatnonzero(los < his).tolist():
-            written, at, start, lo, hi = entries.written[i], entries.firsts[i], entries.starts[i], int(los[i]), int(his[i])
-            if written.ready is not None:  # a batched call's invokes share it: waited for once
+    def __init__(self, slots: SlotTable, limit_bytes: int):
+        self.slots = slots
+        self.limit = limit_bytes
+        self.entries: list[_Entry] = []  # in the order written
+        self.logs: dict[int, WriteLog] = {}  # by number: the live invokes' logs that were not dropped
+        self._next_id = 0
+        self._kept = 0  # entries after the last pass that let go of dead ones
+        # Host memory replays gather into, reused: fresh memory for a step recomputing 16k rows
+        # (61 MiB at the 1B shape) made the gather 7x slower, faulting its pages in (2-core CPU).
+        # What a replay returns is copied to the device (or written, on a CPU) before the next.
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._carved = 0
+
+    def open(self, slot: int) -> WriteLog:
+        """A log for the invoke at ``slot`` (numbers are never reused: an entry of a finished
+        invoke can never be read as a later invoke's)."""
+        log = WriteLog(self._next_id, self.limit)
+        self._next_id += 1
+        self.logs[log.id] = log
+        self.slots.log_id[slot] = log.id
+        self.slots.log_bytes[slot] = 0
+        return log
+
+    def close(self, logs: list[WriteLog]) -> None:
+        """These invokes finished. Entries none of whose invokes is live are let go in a pass over
+        the book once it has doubled since the last (so each entry is looked at a bounded number
+        of times, however many invokes finish one by one)."""
+        for log in logs:
+            self.logs.pop(log.id, None)
+        if len(self.entries) >= 2 * self._kept + 64 or not self.logs:
+            live = np.fromiter(self.logs, np.int64, len(self.logs))
+            live.sort()
+            self.entries = [e for e in self.entries if len(live) and _hits(live, e.ids).any()]
+            self._kept = len(self.entries)
+
+    def record(self, point: Point, written: Written, slots: np.ndarray, firsts: np.ndarray, starts: np.ndarray,
+               stops: np.ndarray, sizes: np.ndarray, steps: np.ndarray) -> None:
+        """Log rows ``starts[j]:stops[j]`` of ``written`` as what ``point`` held at positions from
+        ``firsts[j]`` once the program of the invoke at ``slots[j]`` was done (at its generation
+        ``steps[j]``); ``sizes[j]``: their bytes as the program saw them (whole under TP), for
+        its limit. Invokes that keep no log are skipped; one past its limit is dropped, alone."""
+        table = self.slots
+        ids = table.log_id[slots]
+        used = table.log_bytes[slots] + sizes
+        kept = ids >= 0
+        over = kept & (used > self.limit)
+        if over.any():
+            for j in np.flatnonzero(over).tolist():
+                log = self.logs.pop(int(ids[j]), None)
+                if log is not None:
+                    log.drop(point, int(steps[j]))
+                table.log_id[slots[j]] = -1
+            kept &= ~over
+        if not kept.any():
+            return
+        if not kept.all():
+            slots, ids, used, firsts, starts, stops = (a[kept] for a in (slots, ids, used, firsts, starts, stops))
+        table.log_bytes[slots] = used
+        # copies: a call's arrays are advanced in place for its next step (StepScheduler.program_groups)
+        self.entries.append(_Entry(point, written, ids.copy(), np.array(firsts, np.int64), np.array(starts, np.int64),
+                                   np.array(stops, np.int64)))
+
+    def replay(self, ids: np.ndarray, firsts: np.ndarray, stops: np.ndarray,
+               start_rows: np.ndarray) -> list[tuple[Point, np.ndarray, Any, np.ndarray]]:
+        """The logged writes to put back on the chunks of a step that recompute rows: request k
+        (log ``ids[k]``) recomputes positions ``firsts[k]:stops[k]``, from row ``start_rows[k]``
+        of the flat batch. Returns ``(point, batch rows, value, requests)`` per point written, in
+        the order first written: ``value`` holds the rows' values on the host (a tensor, or a
+        tuple with None where not per token), ``requests`` which of the k have rows in it."""
+        self._carved = 0
+        order = np.argsort(ids, kind="stable")
+        known = ids[order]
+        by_point: dict[Point, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
+        for entry in self.entries:
+            at = np.searchsorted(known, entry.ids)
+            np.minimum(at, len(known) - 1, out=at)
+            hit = np.flatnonzero(known[at] == entry.ids)
+            if not len(hit):
+                continue
+            k = order[at[hit]]
+            at_first = entry.firsts[hit]
+            lo = np.maximum(at_first, firsts[k])
+            hi = np.minimum(at_first + (entry.stops[hit] - entry.starts[hit]), stops[k])
+            ok = lo < hi
+            if not ok.all():
+                if not ok.any():
+                    continue
+                hit, k, at_first, lo, hi = hit[ok], k[ok], at_first[ok], lo[ok], hi[ok]
+            counts = hi - lo
+            source = expand_ranges(entry.starts[hit] + lo - at_first, counts)
+            target = expand_ranges(start_rows[k] + lo - firsts[k], counts)
+            written = entry.written
+            if written.ready is not None:  # its copy from the GPU, waited for once
                 written.ready.synchronize()
                 written.ready = None
-            rows = token_rows(written.value, written.num_rows, start + lo - at, start + hi - at)
-            dim = _token_dim(written.value, written.num_rows) if isinstance(written.value, torch.Tensor) else None
-            if run and lo == run_hi and dim == 0 and run[-1][1] == 0:
-                run.append((rows, dim))
-                run_hi = hi
-                continue
-            if run:
-                out.append((point, start_row + run_lo - first, run_hi - run_lo, _joined(run)))
-            run, run_lo, run_hi = [(rows, dim)], lo, hi
-        if run:
-            out.append((point, start_row + run_lo - first, run_hi - run_lo, _joined(run)))
-    return out
+            by_point.setdefault(entry.point, []).append((written, source, target, k))
+        return [(point, np.concatenate([t for _w, _s, t, _k in parts]),
+                 _gather([(w.value, w.num_rows, s) for w, s, _t, _k in parts], self._carve),
+                 np.unique(np.concatenate([k for _w, _s, _t, k in parts]))) for point, parts in by_point.items()]
+
+    def _carve(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor cut from the scratch memory (grown, never shrunk)."""
+        nbytes = -(-math.prod(shape) * dtype.itemsize // 64) * 64
+        if self._carved + nbytes > len(self._scratch):  # earlier cuts keep the old memory alive
+            self._scratch = torch.empty(max(2 * len(self._scratch), nbytes), dtype=torch.uint8)
+            self._carved = 0
+        piece = self._scratch[self._carved : self._carved + math.prod(shape) * dtype.itemsize]
+        self._carved += nbytes
+        return piece.view(dtype).view(shape)
 
 
-def _joined(run: list[tuple[Any, int | None]]) -> Any:
-    """One value of a run's rows (only tensors whose rows are dim 0 are ever joined)."""
-    return run[0][0] if len(run) == 1 else torch.cat([rows for rows, _dim in run])
+def _hits(known: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which of ``ids`` are in ``known`` (sorted, not empty)."""
+    at = np.minimum(np.searchsorted(known, ids), len(known) - 1)
+    return known[at] == ids
 
 
-def token_rows(value: Any, num_rows: int, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of each per-token tensor of a value read for ``num_rows`` token rows
-    (a tensor, or a module's tuple output: elements that are not per-token become None)."""
-    if isinstance(value, tuple):
-        return tuple(token_rows(v, num_rows, start, stop) for v in value)
-    if not isinstance(value, torch.Tensor):
+def _gather(parts: list[tuple[Any, int, np.ndarray]], carve) -> Any:
+    """Rows ``index`` of each ``(value, num_rows, index)`` read for ``num_rows`` token rows, one
+    after the other, copied once into one value cut by ``carve``: a tensor, or a module's tuple
+    output (its elements that are not per token become None). A recomputed step of 16k tokens
+    replays as many rows: gathering them and then joining them copied each twice."""
+    first, num_rows, _index = parts[0]
+    if isinstance(first, tuple):
+        return tuple(_gather([(value[i], n, index) for value, n, index in parts], carve) for i in range(len(first)))
+    if not isinstance(first, torch.Tensor):
         return None
-    dim = _token_dim(value, num_rows)
+    dim = _token_dim(first, num_rows)
     if dim is None:
         return None
-    return value[start:stop] if dim == 0 else value[:, start:stop]
+    shape = list(first.shape)
+    shape[dim] = sum(len(index) for _v, _n, index in parts)
+    out = carve(shape, first.dtype)
+    at = 0
+    for value, _n, index in parts:
+        into = out.narrow(dim, at, len(index))
+        if len(index) == 1 or (np.diff(index) == 1).all():  # a run of rows
+            into.copy_(value.narrow(dim, int(index[0]), len(index)))
+        else:
+            torch.index_select(value, dim, torch.from_numpy(index), out=into)
+        at += len(index)
+    return out
 
 
 def row_bytes(value: Any, num_rows: int) -> int:
