@@ -122,6 +122,12 @@ def interlace_cases(hidden: int, layers: int):
     def steer1_each(m):
         m.layers[steer_layer].resid += vector
 
+    def read1_each(m):  # diagnostics: what a program per invoke costs without its write (step_probe)
+        m.layers[steer_layer].resid
+
+    def noop_each(m):  # and without reaching any point
+        pass
+
     return {
         "none": {},
         "ops-save4": {"ops": [ops.save(f"layers.{layer}.resid", tokens="last") for layer in save_layers]},
@@ -129,6 +135,8 @@ def interlace_cases(hidden: int, layers: int):
         "prog-save4": {"program": save4},
         "prog-steer1": {"program": steer1},
         "prog-steer1-each": {"program": steer1_each},
+        "prog-read1-each": {"program": read1_each},
+        "prog-noop-each": {"program": noop_each},
     }
 
 
