@@ -141,6 +141,8 @@ class WriteBook:
         ``firsts[j]`` once the program of the invoke at ``slots[j]`` was done (at its generation
         ``steps[j]``); ``sizes[j]``: their bytes as the program saw them (whole under TP), for
         its limit. Invokes that keep no log are skipped; one past its limit is dropped, alone."""
+        if len(starts) > 1 and (np.diff(starts) < 0).any():  # replay reads an entry's rows as one run where it can
+            raise ValueError("a call's logged rows must come in invoke order (ascending starts)")
         table = self.slots
         ids = table.log_id[slots]
         used = table.log_bytes[slots] + sizes
@@ -170,32 +172,45 @@ class WriteBook:
         the order first written: ``value`` holds the rows' values on the host (a tensor, or a
         tuple with None where not per token), ``requests`` which of the k have rows in it."""
         self._carved = 0
+        entries = self.entries
+        if not entries:
+            return []
         order = np.argsort(ids, kind="stable")
         known = ids[order]
-        by_point: dict[Point, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
-        for entry in self.entries:
-            at = np.searchsorted(known, entry.ids)
-            np.minimum(at, len(known) - 1, out=at)
-            hit = np.flatnonzero(known[at] == entry.ids)
-            if not len(hit):
-                continue
-            k = order[at[hit]]
-            at_first = entry.firsts[hit]
-            lo = np.maximum(at_first, firsts[k])
-            hi = np.minimum(at_first + (entry.stops[hit] - entry.starts[hit]), stops[k])
-            ok = lo < hi
-            if not ok.all():
-                if not ok.any():
-                    continue
-                hit, k, at_first, lo, hi = hit[ok], k[ok], at_first[ok], lo[ok], hi[ok]
-            counts = hi - lo
-            source = expand_ranges(entry.starts[hit] + lo - at_first, counts)
-            target = expand_ranges(start_rows[k] + lo - firsts[k], counts)
+        # Every entry's invokes at once (a step recomputing 16k rows meets hundreds of entries,
+        # and array operations per entry cost tens of microseconds each)
+        sizes = np.fromiter((len(e.ids) for e in entries), np.int64, len(entries))
+        every = np.concatenate([e.ids for e in entries])
+        at = np.minimum(np.searchsorted(known, every), len(known) - 1)
+        hit = np.flatnonzero(known[at] == every)
+        if not len(hit):
+            return []
+        k = order[at[hit]]
+        entry_of = np.repeat(np.arange(len(entries)), sizes)[hit]
+        at_first = np.concatenate([e.firsts for e in entries])[hit]
+        at_start = np.concatenate([e.starts for e in entries])[hit]
+        length = np.concatenate([e.stops for e in entries])[hit] - at_start
+        lo = np.maximum(at_first, firsts[k])
+        hi = np.minimum(at_first + length, stops[k])
+        ok = np.flatnonzero(lo < hi)
+        if not len(ok):
+            return []
+        k, entry_of, at_first, at_start, lo, hi = k[ok], entry_of[ok], at_first[ok], at_start[ok], lo[ok], hi[ok]
+        counts = hi - lo
+        source = expand_ranges(at_start + lo - at_first, counts)
+        target = expand_ranges(start_rows[k] + lo - firsts[k], counts)
+        row_ends = np.cumsum(counts)
+        cuts = [0, *(np.flatnonzero(np.diff(entry_of)) + 1).tolist(), len(entry_of)]  # hits of one entry follow each other
+        by_point: dict[Point, list[tuple[Written, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for a, b in zip(cuts, cuts[1:]):
+            entry = entries[int(entry_of[a])]
+            first_row, last_row = int(row_ends[a] - counts[a]), int(row_ends[b - 1])
             written = entry.written
             if written.ready is not None:  # its copy from the GPU, waited for once
                 written.ready.synchronize()
                 written.ready = None
-            by_point.setdefault(entry.point, []).append((written, source, target, k))
+            by_point.setdefault(entry.point, []).append(
+                (written, source[first_row:last_row], target[first_row:last_row], k[a:b]))
         return [(point, np.concatenate([t for _w, _s, t, _k in parts]),
                  _gather([(w.value, w.num_rows, s) for w, s, _t, _k in parts], self._carve),
                  np.unique(np.concatenate([k for _w, _s, _t, k in parts]))) for point, parts in by_point.items()]
@@ -236,7 +251,7 @@ def _gather(parts: list[tuple[Any, int, np.ndarray]], carve) -> Any:
     at = 0
     for value, _n, index in parts:
         into = out.narrow(dim, at, len(index))
-        if len(index) == 1 or (np.diff(index) == 1).all():  # a run of rows
+        if index[-1] - index[0] == len(index) - 1:  # a run of rows (an entry's rows ascend: invokes in order)
             into.copy_(value.narrow(dim, int(index[0]), len(index)))
         else:
             torch.index_select(value, dim, torch.from_numpy(index), out=into)
