@@ -95,8 +95,7 @@ class Interleaver(ProgramServices):
         self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
-        self.replay_log_bytes = settings.replay_log_bytes()  # each program invoke's write log (write_log.py)
-        self.book = WriteBook(self.slots, self.replay_log_bytes)
+        self.book = WriteBook(self.slots, settings.replay_log_bytes())  # programs' writes (write_log.py)
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
@@ -160,7 +159,7 @@ class Interleaver(ProgramServices):
                     self._programs[key] = _on_device(program, self.device)
                 state.program = self._programs[key]
                 state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
-                if self.replay_log_bytes > 0:
+                if self.book.limit > 0:
                     state.writes = self.book.open(state.slot)
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
                 self.slots.group[state.slot] = self.scheduler.group_number(state.group_key)
