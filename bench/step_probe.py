@@ -280,7 +280,8 @@ def install_probes() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
     from interlace import model as driver_model
-    from interlace.workers import calls, dispatch, interleaver, ops, report_file, reports, saves, step_schedule
+    from interlace.workers import (calls, dispatch, interleaver, ops, pinned, report_file, reports, saves, scheduler,
+                                   step_schedule, write_log)
 
     time_steps(Worker)
     take = saves.DeviceRoom.take
@@ -331,6 +332,15 @@ def install_probes() -> None:
     timed(step_schedule.StepScheduler, "program_groups", "  begin_step: program groups")
     timed(ops.OpPlan, "for_step", "  begin_step: op plans")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
+    # a squeezed cache: the write log's copies to the host and its replays (write_log.py)
+    timed(interleaver.Interleaver, "_replays", "  begin_step: replays (gather, copy to the device)")
+    timed(write_log.WriteBook, "replay", "    replays: book.replay")
+    timed(dispatch.PointDispatcher, "_log_writes", "  hooks: log programs' writes")
+    timed(dispatch, "_joined_to_host", "    log: copies to the host")
+    timed(pinned.PinnedSlabs, "empty", "    pinned: empty")
+    timed(dispatch.PointDispatcher, "_replay", "  hooks: replay logged writes")
+    timed(scheduler.GangAdmission, "schedule", "engine core: schedule, interlace's gang scheduler (vLLM's inside)",
+          debug_sync=False)
     end_step = interleaver.Interleaver.end_step
 
     def end_step_(self):

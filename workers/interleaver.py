@@ -95,7 +95,7 @@ class Interleaver(ProgramServices):
         self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
-        self.book = WriteBook(self.slots, settings.replay_log_bytes())  # programs' writes (write_log.py)
+        self.book = WriteBook(self.slots, settings.replay_log_bytes(), self.device)  # programs' writes (write_log.py)
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
@@ -383,7 +383,7 @@ class Interleaver(ProgramServices):
             for state in owners:
                 self.hooks.want(point, owner=state.req_id)
             by_hook.setdefault(hook_of(point), []).append(
-                (point, Rows.at(rows, self.device), _to_device(value, self.device), owners))
+                (point, Rows.at(rows, self.device), value, owners))
         return by_hook
 
     def end_step(self) -> dict[str, Carried]:
@@ -501,13 +501,6 @@ def _op_on_device(op: dict, device: torch.device) -> dict:
     if isinstance(op.get("value"), torch.Tensor):
         op = {**op, "value": op["value"].to(device)}
     return op
-
-
-def _to_device(value, device: torch.device):
-    """A logged write's host rows on the model's device (a tensor, or a tuple with Nones)."""
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    return value if value is None or device.type == "cpu" else value.to(device, non_blocking=True)
 
 
 def _on_device(program: Any, device: torch.device) -> Any:

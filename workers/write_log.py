@@ -37,6 +37,7 @@ of its invokes is live.
     log = book.open(slot)                                   # an invoke with a program: its WriteLog
     book.record(point, Written(value, num_rows, ready), slots, firsts, starts, stops, sizes, steps)
     book.replay(log_ids, firsts, stops, start_rows)         # -> [(point, batch rows, value, requests)]
+    #                                                          value on the book's device
     book.close([log])                                       # it finished
 """
 
@@ -100,18 +101,22 @@ class _Entry:
 class WriteBook:
     """Every program invoke's logged writes on this rank (see the module's docstring)."""
 
-    def __init__(self, slots: SlotTable, limit_bytes: int):
+    def __init__(self, slots: SlotTable, limit_bytes: int, device: torch.device | None = None):
         self.slots = slots
         self.limit = limit_bytes
+        self.device = device if device is not None and device.type != "cpu" else None  # None: values stay on the host
         self.entries: list[_Entry] = []  # in the order written
         self.logs: dict[int, WriteLog] = {}  # by number: the live invokes' logs that were not dropped
         self._next_id = 0
         self._kept = 0  # entries after the last pass that let go of dead ones
         # Host memory replays gather into, reused: fresh memory for a step recomputing 16k rows
         # (61 MiB at the 1B shape) made the gather 7x slower, faulting its pages in (2-core CPU).
-        # What a replay returns is copied to the device (or written, on a CPU) before the next.
+        # Pinned when a GPU reads it: from pageable memory the copy of a 16k-row step waited for
+        # the stream and ran at a fraction of the bus's speed. A replay's values are written (on
+        # a CPU) or copied to the device (``_sent`` waited for) before the next replay reuses it.
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._carved = 0
+        self._sent: torch.cuda.Event | None = None  # the last replay's copies to the device
 
     def open(self, slot: int) -> WriteLog:
         """A log for the invoke at ``slot`` (numbers are never reused: an entry of a finished
@@ -169,8 +174,12 @@ class WriteBook:
         """The logged writes to put back on the chunks of a step that recompute rows: request k
         (log ``ids[k]``) recomputes positions ``firsts[k]:stops[k]``, from row ``start_rows[k]``
         of the flat batch. Returns ``(point, batch rows, value, requests)`` per point written, in
-        the order first written: ``value`` holds the rows' values on the host (a tensor, or a
-        tuple with None where not per token), ``requests`` which of the k have rows in it."""
+        the order first written: ``value`` holds the rows' values on the book's device (a
+        tensor, or a tuple with None where not per token), ``requests`` which of the k have rows
+        in it."""
+        if self._sent is not None:  # the scratch memory is about to be cut again
+            self._sent.synchronize()
+            self._sent = None
         self._carved = 0
         entries = self.entries
         if not entries:
@@ -211,15 +220,28 @@ class WriteBook:
                 written.ready = None
             by_point.setdefault(entry.point, []).append(
                 (written, source[first_row:last_row], target[first_row:last_row], k[a:b]))
-        return [(point, np.concatenate([t for _w, _s, t, _k in parts]),
-                 _gather([(w.value, w.num_rows, s) for w, s, _t, _k in parts], self._carve),
-                 np.unique(np.concatenate([k for _w, _s, _t, k in parts]))) for point, parts in by_point.items()]
+        out = [(point, np.concatenate([t for _w, _s, t, _k in parts]),
+                self._send(_gather([(w.value, w.num_rows, s) for w, s, _t, _k in parts], self._carve)),
+                np.unique(np.concatenate([k for _w, _s, _t, k in parts]))) for point, parts in by_point.items()]
+        if self.device is not None:
+            self._sent = torch.cuda.Event()
+            self._sent.record()
+        return out
+
+    def _send(self, value: Any) -> Any:
+        """A gathered value on the book's device (copied from pinned scratch: asynchronous)."""
+        if self.device is None or value is None:
+            return value
+        if isinstance(value, tuple):
+            return tuple(self._send(v) for v in value)
+        return value.to(self.device, non_blocking=True)
 
     def _carve(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor cut from the scratch memory (grown, never shrunk)."""
         nbytes = -(-math.prod(shape) * dtype.itemsize // 64) * 64
         if self._carved + nbytes > len(self._scratch):  # earlier cuts keep the old memory alive
-            self._scratch = torch.empty(max(2 * len(self._scratch), nbytes), dtype=torch.uint8)
+            self._scratch = torch.empty(max(2 * len(self._scratch), nbytes), dtype=torch.uint8,
+                                        pin_memory=self.device is not None)
             self._carved = 0
         piece = self._scratch[self._carved : self._carved + math.prod(shape) * dtype.itemsize]
         self._carved += nbytes
