@@ -84,9 +84,10 @@ def test_entries_are_let_go_once_none_of_their_invokes_is_live():
 
 
 def test_a_step_recomputing_several_requests_gets_exactly_the_rows_each_logged():
-    """Random calls over 6 invokes (prompts, then a row a step; some invokes skip some steps);
-    three of them recomputed over random ranges: every replayed row is the one logged at that
-    invoke and position, each at its own batch row, and nothing else is written."""
+    """Random calls over 6 invokes (prompts, then a row a step; some invokes skip some steps),
+    writing two points (one with its tokens on dim 1); three invokes recomputed over random
+    ranges: every replayed row is the one logged at that invoke and position, each at its own
+    batch row, and nothing else is written."""
     rng = np.random.default_rng(0)
     book, slots, logs = book_with(6)
     logged = {}  # (invoke, position) -> value
@@ -100,16 +101,19 @@ def test_a_step_recomputing_several_requests_gets_exactly_the_rows_each_logged()
         for j, first, start, n in zip(who, firsts, starts, lengths):
             for r in range(n):
                 logged[(j, first + r)] = value[start + r].clone()
-        book.record(RESID, Written(value, len(value), None), a(*[slots[j] for j in who]), a(*firsts), a(*starts),
-                    a(*(starts + lengths)), a(*[12 * n for n in lengths]), a(*[step] * len(who)))
+        for point, v in ((RESID, value), (OUT, 2 * value[None])):
+            book.record(point, Written(v, len(value), None), a(*[slots[j] for j in who]), a(*firsts), a(*starts),
+                        a(*(starts + lengths)), a(*[12 * n for n in lengths]), a(*[step] * len(who)))
         for j in range(6):
             positions[j] += 5 if step == 0 else 1  # a skipped step: its position is simply not logged
     recomputed = [4, 1, 3]
     firsts, stops = a(2, 0, 10), a(30, 7, 44)
     rows = a(100, 0, 50)
-    [(point, got_rows, value, which)] = book.replay(a(*[logs[j].id for j in recomputed]), firsts, stops, rows)
+    got = book.replay(a(*[logs[j].id for j in recomputed]), firsts, stops, rows)
     want = {int(row + p - first): logged[(j, p)] for j, first, stop, row in zip(recomputed, firsts, stops, rows)
             for p in range(first, stop) if (j, p) in logged}
-    assert point == RESID and sorted(got_rows.tolist()) == sorted(want) and which.tolist() == [0, 1, 2]
-    for row, v in zip(got_rows.tolist(), value):
-        assert torch.equal(v, want[row])
+    assert [point for point, *_ in got] == [RESID, OUT]
+    for (point, got_rows, value, which), scale in zip(got, (1, 2)):
+        assert sorted(got_rows.tolist()) == sorted(want) and which.tolist() == [0, 1, 2]
+        for row, v in zip(got_rows.tolist(), value if point == RESID else value[0]):
+            assert torch.equal(v, scale * want[row])

@@ -57,13 +57,21 @@ class Written:
     """The rows of one point one or more calls wrote in one step, on the host, for all their
     invokes (each invoke's entry refers to its own rows of it: a batched call copies once)."""
 
-    __slots__ = ("value", "num_rows", "ready", "hold")
+    __slots__ = ("value", "num_rows", "ready", "hold", "_arrays")
 
     def __init__(self, value: Any, num_rows: int, ready: Any, hold: Any = None):
         self.value = value  # a tensor, or a module's tuple output (None for what is not per token)
         self.num_rows = num_rows  # the calls' token rows
         self.ready = ready  # the CUDA event its copy from the GPU waits on (None on a CPU)
         self.hold = hold  # shared by the Written of one host copy: its pinned slabs go back with the last
+        self._arrays = None
+
+    def arrays(self) -> Any:
+        """``value`` as numpy arrays sharing its memory (integers of the element's size: numpy has
+        no bfloat16), made once: a replay slices them where torch's per-call cost would add up."""
+        if self._arrays is None:
+            self._arrays = _as_arrays(self.value)
+        return self._arrays
 
 
 class WriteLog:
@@ -117,6 +125,11 @@ class WriteBook:
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._carved = 0
         self._sent: torch.cuda.Event | None = None  # the last replay's copies to the device
+        self._cols = np.empty((6, 0), np.int64)  # see _columns
+        self._points: dict[Point, int] = {}  # the points entries wrote, numbered
+        self._point_list: list[Point] = []
+        self._filled = 0  # columns in use
+        self._indexed = 0  # entries in them
 
     def open(self, slot: int) -> WriteLog:
         """A log for the invoke at ``slot`` (numbers are never reused: an entry of a finished
@@ -139,6 +152,7 @@ class WriteBook:
             live.sort()
             self.entries = [e for e in self.entries if len(live) and _hits(live, e.ids).any()]
             self._kept = len(self.entries)
+            self._filled = self._indexed = 0
 
     def record(self, point: Point, written: Written, slots: np.ndarray, firsts: np.ndarray, starts: np.ndarray,
                stops: np.ndarray, sizes: np.ndarray, steps: np.ndarray) -> None:
@@ -181,52 +195,75 @@ class WriteBook:
             self._sent.synchronize()
             self._sent = None
         self._carved = 0
-        entries = self.entries
-        if not entries:
+        if not self.entries or not len(ids):
             return []
-        order = np.argsort(ids, kind="stable")
-        known = ids[order]
-        # Every entry's invokes at once (a step recomputing 16k rows meets hundreds of entries,
-        # and array operations per entry cost tens of microseconds each)
-        sizes = np.fromiter((len(e.ids) for e in entries), np.int64, len(entries))
-        every = np.concatenate([e.ids for e in entries])
-        at = np.minimum(np.searchsorted(known, every), len(known) - 1)
-        hit = np.flatnonzero(known[at] == every)
+        # Every entry's invokes at once: a request recomputed after 500 decode steps meets 500
+        # entries of up to a thousand invokes each (array operations per entry cost tens of us)
+        cols = self._columns()
+        every = cols[0]
+        lo, hi = int(ids.min()), int(ids.max()) + 1
+        which = np.full(hi - lo, -1, np.int64)  # log id - lo -> k (ids span the live invokes: small)
+        which[ids - lo] = np.arange(len(ids))
+        inside = np.flatnonzero((every >= lo) & (every < hi))
+        found = which[every[inside] - lo]
+        hit = inside[found >= 0]
         if not len(hit):
             return []
-        k = order[at[hit]]
-        entry_of = np.repeat(np.arange(len(entries)), sizes)[hit]
-        at_first = np.concatenate([e.firsts for e in entries])[hit]
-        at_start = np.concatenate([e.starts for e in entries])[hit]
-        length = np.concatenate([e.stops for e in entries])[hit] - at_start
-        lo = np.maximum(at_first, firsts[k])
-        hi = np.minimum(at_first + length, stops[k])
-        ok = np.flatnonzero(lo < hi)
+        k = found[found >= 0]
+        at_first, at_start, at_stop, entry_of, point_of = (cols[row, hit] for row in range(1, 6))
+        lo_pos = np.maximum(at_first, firsts[k])
+        hi_pos = np.minimum(at_first + at_stop - at_start, stops[k])
+        ok = np.flatnonzero(lo_pos < hi_pos)
         if not len(ok):
             return []
-        k, entry_of, at_first, at_start, lo, hi = k[ok], entry_of[ok], at_first[ok], at_start[ok], lo[ok], hi[ok]
-        counts = hi - lo
-        source = expand_ranges(at_start + lo - at_first, counts)
-        target = expand_ranges(start_rows[k] + lo - firsts[k], counts)
-        row_ends = np.cumsum(counts)
-        cuts = [0, *(np.flatnonzero(np.diff(entry_of)) + 1).tolist(), len(entry_of)]  # hits of one entry follow each other
-        by_point: dict[Point, list[tuple[Written, np.ndarray, np.ndarray, np.ndarray]]] = {}
-        for a, b in zip(cuts, cuts[1:]):
-            entry = entries[int(entry_of[a])]
-            first_row, last_row = int(row_ends[a] - counts[a]), int(row_ends[b - 1])
-            written = entry.written
-            if written.ready is not None:  # its copy from the GPU, waited for once
+        k, entry_of, point_of = k[ok], entry_of[ok], point_of[ok]
+        counts = hi_pos[ok] - lo_pos[ok]
+        sources = at_start[ok] + lo_pos[ok] - at_first[ok]
+        targets = start_rows[k] + lo_pos[ok] - firsts[k]
+        for e in np.unique(entry_of).tolist():  # copies from the GPU, each waited for once
+            written = self.entries[e].written
+            if written.ready is not None:
                 written.ready.synchronize()
                 written.ready = None
-            by_point.setdefault(entry.point, []).append(
-                (written, source[first_row:last_row], target[first_row:last_row], k[a:b]))
-        out = [(point, np.concatenate([t for _w, _s, t, _k in parts]),
-                self._send(_gather([(w.value, w.num_rows, s) for w, s, _t, _k in parts], self._carve)),
-                np.unique(np.concatenate([k for _w, _s, _t, k in parts]))) for point, parts in by_point.items()]
+        numbers, first_hit = np.unique(point_of, return_index=True)
+        out = []
+        for number in numbers[np.argsort(first_hit)].tolist():  # points in the order first written
+            sel = slice(None) if len(numbers) == 1 else np.flatnonzero(point_of == number)
+            value = _gather(self.entries, entry_of[sel], sources[sel], counts[sel], self._carve)
+            out.append((self._point_list[number], expand_ranges(targets[sel], counts[sel]), self._send(value),
+                        np.unique(k[sel])))
         if self.device is not None:
             self._sent = torch.cuda.Event()
             self._sent.record()
         return out
+
+    def _columns(self) -> np.ndarray:
+        """Every entry's invokes end to end, as rows: ids, firsts, starts, stops, entry number,
+        point number (grown by the entries logged since the last replay; rebuilt after a pass
+        lets go of some)."""
+        new = self.entries[self._indexed:]
+        if new:
+            sizes = np.fromiter((len(e.ids) for e in new), np.int64, len(new))
+            block = np.empty((6, int(sizes.sum())), np.int64)
+            for row, name in enumerate(("ids", "firsts", "starts", "stops")):
+                np.concatenate([getattr(e, name) for e in new], out=block[row])
+            block[4] = np.repeat(np.arange(self._indexed, len(self.entries)), sizes)
+            block[5] = np.repeat(np.fromiter((self._point_number(e.point) for e in new), np.int64, len(new)), sizes)
+            filled = self._filled + block.shape[1]
+            if filled > self._cols.shape[1]:
+                grown = np.empty((6, max(2 * self._cols.shape[1], filled)), np.int64)
+                grown[:, : self._filled] = self._cols[:, : self._filled]
+                self._cols = grown
+            self._cols[:, self._filled : filled] = block
+            self._filled, self._indexed = filled, len(self.entries)
+        return self._cols[:, : self._filled]
+
+    def _point_number(self, point: Point) -> int:
+        number = self._points.get(point)
+        if number is None:
+            number = self._points[point] = len(self._point_list)
+            self._point_list.append(point)
+        return number
 
     def _send(self, value: Any) -> Any:
         """A gathered value on the book's device (copied from pinned scratch: asynchronous)."""
@@ -254,31 +291,49 @@ def _hits(known: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return known[at] == ids
 
 
-def _gather(parts: list[tuple[Any, int, np.ndarray]], carve) -> Any:
-    """Rows ``index`` of each ``(value, num_rows, index)`` read for ``num_rows`` token rows, one
-    after the other, copied once into one value cut by ``carve``: a tensor, or a module's tuple
-    output (its elements that are not per token become None). A recomputed step of 16k tokens
-    replays as many rows: gathering them and then joining them copied each twice."""
-    first, num_rows, _index = parts[0]
+def _gather(entries: list[_Entry], entry_of: np.ndarray, sources: np.ndarray, counts: np.ndarray, carve,
+            element: int | None = None) -> Any:
+    """Rows ``sources[i]:sources[i] + counts[i]`` of entry ``entry_of[i]``'s host copy (of its
+    element ``element`` for a module's tuple output), for each i in turn, copied once into one
+    value cut by ``carve``: a tensor, or a tuple whose elements that are not per token are None.
+    A recomputed step of 16k tokens replays as many rows from hundreds of entries: one numpy
+    concatenation of views, where a torch call per entry cost ~15 us each and copied twice."""
+    written = entries[int(entry_of[0])].written
+    first = written.value if element is None else written.value[element]
     if isinstance(first, tuple):
-        return tuple(_gather([(value[i], n, index) for value, n, index in parts], carve) for i in range(len(first)))
+        return tuple(_gather(entries, entry_of, sources, counts, carve, i) for i in range(len(first)))
     if not isinstance(first, torch.Tensor):
         return None
-    dim = _token_dim(first, num_rows)
+    dim = _token_dim(first, written.num_rows)
     if dim is None:
         return None
+    # one piece per run of rows of one entry (adjacent invokes' rows join)
+    joins = (entry_of[1:] == entry_of[:-1]) & (sources[1:] == sources[:-1] + counts[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(counts, starts)
+    arrays = [entries[e].written.arrays() for e in entry_of[starts].tolist()]
+    if element is not None:
+        arrays = [a[element] for a in arrays]
+    pieces = [a[s : s + n] for a, s, n in zip(arrays, sources[starts].tolist(), lengths.tolist())] if dim == 0 else \
+        [a[:, s : s + n] for a, s, n in zip(arrays, sources[starts].tolist(), lengths.tolist())]
     shape = list(first.shape)
-    shape[dim] = sum(len(index) for _v, _n, index in parts)
+    shape[dim] = int(lengths.sum())
     out = carve(shape, first.dtype)
-    at = 0
-    for value, _n, index in parts:
-        into = out.narrow(dim, at, len(index))
-        if index[-1] - index[0] == len(index) - 1:  # a run of rows (an entry's rows ascend: invokes in order)
-            into.copy_(value.narrow(dim, int(index[0]), len(index)))
-        else:
-            torch.index_select(value, dim, torch.from_numpy(index), out=into)
-        at += len(index)
+    np.concatenate(pieces, axis=dim, out=_as_arrays(out))
     return out
+
+
+def _as_arrays(value: Any) -> Any:
+    """A tensor (or a tuple's tensors) as a numpy array of the same bytes, integers of the
+    element's size."""
+    if isinstance(value, tuple):
+        return tuple(_as_arrays(v) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value.view(_SAME_SIZE[value.element_size()]).numpy()
+
+
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def row_bytes(value: Any, num_rows: int) -> int:
