@@ -36,6 +36,8 @@ whichever scheduler vLLM would have used (async scheduling keeps working).
 
 from __future__ import annotations
 
+import operator
+
 GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, intervened invokes]
 WHOLE_PROMPT_KEY = "interlace_whole_prompt"  # extra_args[WHOLE_PROMPT_KEY] = True: do not split
 PROGRAM_KEY = "interlace_program"  # extra_args[PROGRAM_KEY] = True: a program runs (preempt it last)
@@ -52,9 +54,9 @@ class GangAdmission:
         if self._interlace_programs and self.policy.value == "fcfs":
             # vLLM preempts from the end of the running queue: programs first (a stable sort keeps
             # each kind in vLLM's order). Only while a program request is live: plain traffic
-            # never pays for it.
-            programs = self._interlace_programs
-            self.running.sort(key=lambda request: request.request_id not in programs)
+            # never pays for it. The key is an attribute read in C: a lambda per request cost a
+            # thousand running requests 0.2 ms a step.
+            self.running.sort(key=_PLAIN)
         config = self.scheduler_config
         if not config.enable_chunked_prefill or not self._interlace_keep_whole():
             return self._interlace_with_counts(super().schedule(*args, **kwargs))
@@ -74,14 +76,17 @@ class GangAdmission:
         return output
 
     def _interlace_keep_whole(self) -> bool:
-        if not self._interlace_whole_waiting:  # plain traffic never pays for the scan below
+        if not self._interlace_whole_waiting:  # plain traffic never pays for the scans below
             return False
-        budget = self.scheduler_config.max_num_batched_tokens
-        wanted = False
-        for request in self.waiting:
-            if request.num_tokens > budget:
-                return False
-            wanted = wanted or _extra(request).get(WHOLE_PROMPT_KEY, False)
+        if self._interlace_all_fit:  # no request can exceed a step's budget: the first wanted one decides
+            wanted = any(request.interlace_whole for request in self.waiting)
+        else:
+            budget = self.scheduler_config.max_num_batched_tokens
+            wanted = False
+            for request in self.waiting:
+                if request.num_tokens > budget:
+                    return False
+                wanted = wanted or request.interlace_whole
         self._interlace_whole_waiting = wanted
         return wanted
 
@@ -110,11 +115,14 @@ class GangAdmission:
             self._interlace_enqueue(request)
 
     def _interlace_enqueue(self, request) -> None:
-        """Hand ``request`` to vLLM's waiting queue."""
+        """Hand ``request`` to vLLM's waiting queue (every request comes this way: its marks,
+        read at every step, are attributes)."""
         extra = _extra(request)
-        if extra.get(WHOLE_PROMPT_KEY):
+        request.interlace_whole = bool(extra.get(WHOLE_PROMPT_KEY))
+        request.interlace_plain = not extra.get(PROGRAM_KEY)
+        if request.interlace_whole:
             self._interlace_whole_waiting = True
-        if extra.get(PROGRAM_KEY):
+        if not request.interlace_plain:
             self._interlace_programs.add(request.request_id)
         super().add_request(request)
 
@@ -123,6 +131,9 @@ class GangAdmission:
         if _gang(request) is not None:  # intervened: its workers learn how many tokens it returned
             self._interlace_counts[request.request_id] = request.num_output_tokens
         return super()._free_request(request, *args, **kwargs)
+
+
+_PLAIN = operator.attrgetter("interlace_plain")  # requests without a program sort first: preempted last
 
 
 def _extra(request) -> dict:
@@ -147,6 +158,8 @@ def make_scheduler(*args, vllm_config, **kwargs):
     scheduler = cls(*args, vllm_config=vllm_config, **kwargs)
     scheduler._interlace_held = {}
     scheduler._interlace_whole_waiting = False  # a request that needs its prompt whole may wait
+    model_len = vllm_config.model_config.max_model_len
+    scheduler._interlace_all_fit = model_len <= vllm_config.scheduler_config.max_num_batched_tokens
     scheduler._interlace_programs = set()  # live requests with a program, by id: preempted last
     scheduler._interlace_counts = {}  # finished intervened requests' output tokens, for the next step
     return scheduler
