@@ -102,7 +102,8 @@ class Model:
         or ran eager (None on an eager engine), ``taps``, the steps whose ops ran in graph taps
         and the forwards through each tap (None without taps), and ``replays``, the chunks vLLM
         recomputed after preempting a request, on which ops and programs' logged writes were
-        replayed::
+        replayed, and ``write_logs``, the program invokes that kept a write log for that
+        (``kept``) and those that did not because vLLM could never preempt them (``skipped``)::
 
             >>> model = interlace.Model("tiny-llama", graph_taps=["layers.1.resid"])
             >>> _ = model.generate("Hello", ops=[interlace.ops.save("layers.1.resid")], max_tokens=2)

@@ -51,6 +51,14 @@ def replays(target) -> int:
     return sum(rank["replays"] for rank in ranks)
 
 
+def write_logs(target) -> tuple[int, int]:
+    """Program invokes admitted with a write log and without one (vLLM could never preempt
+    them), on the first rank of a Model's engine or of each replica of a Cluster."""
+    counts = target.step_counts()
+    firsts = [replica[0] for replica in counts] if isinstance(counts[0], list) else [counts[0]]
+    return sum(r["write_logs"]["kept"] for r in firsts), sum(r["write_logs"]["skipped"] for r in firsts)
+
+
 def _ids(oracles) -> list[int]:
     return oracles["tiny-llama"].ids(PROMPT)[:100]
 
@@ -86,16 +94,23 @@ def batched_steering():
 def check_steering(small, ample, ids: list[int], batched: bool = False) -> None:
     """32 program invokes steering and saving at every step, 64 tokens each, on ``small`` (a KV
     cache that makes vLLM preempt them) and on ``ample`` (room for all): the same tokens and
-    saves, every step saved once."""
+    saves, every step saved once. Only invokes vLLM may preempt keep a write log: on ``small``
+    most, but not the first (its largest size, 164 tokens and room to spare, fits the cache's
+    four blocks alone) nor others first scheduled while the requests ahead of them and they fit;
+    none on ``ample``. Those without one are never preempted (else they would fail), and a batched
+    call over both kinds logs every write of those that keep one."""
     runs = {}
     together = batched_steering() if batched else None  # one program object: one call per step for all
     for name, model in (("small", small), ("ample", ample)):
-        before = replays(model)
+        before, logs_before = replays(model), write_logs(model)
         with model.trace(max_tokens=64, ignore_eos=True) as tr:
             for i in range(32):
                 tr.invoke(ids, program=together or steering(i))
-        runs[name] = (tr.result, replays(model) - before)
+        runs[name] = (tr.result, replays(model) - before,
+                      tuple(now - then for now, then in zip(write_logs(model), logs_before)))
     assert runs["small"][1] > 0 and runs["ample"][1] == 0  # preempted under pressure only
+    kept, skipped = runs["small"][2]
+    assert kept + skipped == 32 and kept > 0 and skipped > 0 and runs["ample"][2] == (0, 32)
     for got, want in zip(runs["small"][0], runs["ample"][0]):
         assert got.token_ids == want.token_ids
         assert got.saves["h"].shape == (len(ids) + 63, 128)  # every step saved once

@@ -35,8 +35,7 @@ class _Base:
 
 def _scheduler():
     scheduler = type("Gang", (GangAdmission, _Base), {})()
-    scheduler._interlace_held, scheduler._interlace_whole_waiting = {}, False
-    scheduler._interlace_programs, scheduler._interlace_counts = set(), {}
+    scheduler._interlace_start()
     return scheduler
 
 

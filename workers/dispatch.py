@@ -199,8 +199,10 @@ class PointDispatcher:
             call.cancel(f"cannot read {point}: {exc}")
             return
         copy = split is not None or access.is_copy(point, rows)
-        if not copy and point.kind in TOKEN_KINDS and _logs(ctx):
-            value, copy = _own_copy(value), True  # its version counter shows an in-place edit (write_log.py)
+        if not copy and point.kind in TOKEN_KINDS and self.book.limit > 0:
+            # its version counter shows an in-place edit (write_log.py). Also for an invoke that
+            # keeps no log (never preempted): a late edit fails alike whatever the cache holds.
+            value, copy = _own_copy(value), True
         ctx.holds.live.append(Held(point, value, versions(value), access, rows, split, copy))
         call.resume(value)
         self.after_resume(call, ctx)
@@ -340,9 +342,10 @@ def _local(split, value: Any) -> Any:
 
 
 def _logs(ctx: CallContext) -> bool:
-    """Whether the call's invokes keep a write log (write_log.py): all of a call's alike."""
-    log = ctx.invokes[0].writes
-    return log is not None and log.replayable
+    """Whether any of the call's invokes keeps a write log (write_log.py): a batched call's may
+    differ (one past its limit, one that started where vLLM can never preempt it), and those that
+    keep one need every write."""
+    return ctx.logs
 
 
 def _own_copy(value: Any) -> Any:

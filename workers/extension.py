@@ -42,14 +42,17 @@ class InterlaceWorkerExtension:
         those that replayed FULL graphs with the taps idle (``graph_idle``); and ``taps``: on an
         engine with graph taps, the steps whose ops ran through them (``steps``), the steps whose
         programs ran at them (``programs``), and the forwards that ran each tap's ops (by module
-        name; every graph replay does; None without taps); ``replays``: as :meth:`interlace_replays`."""
+        name; every graph replay does; None without taps); ``replays``: as :meth:`interlace_replays`;
+        ``write_logs``: program invokes admitted with a write log (``kept``) and without one because
+        vLLM could never preempt them (``skipped``; scheduler.py)."""
         inter = self.model_runner._interlace
         taps = None
         if inter.taps is not None:
             ran = inter.taps.ran.tolist()
             taps = {"steps": inter.tap_steps, "programs": inter.piece_steps,
                     "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
-        return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps, "replays": inter.scheduler.replays}
+        return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps, "replays": inter.scheduler.replays,
+                "write_logs": dict(inter.write_logs)}
 
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,

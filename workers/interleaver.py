@@ -96,6 +96,7 @@ class Interleaver(ProgramServices):
         self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
         self.book = WriteBook(self.slots, settings.replay_log_bytes(), self.device)  # programs' writes (write_log.py)
+        self.write_logs = {"kept": 0, "skipped": 0}  # program invokes with a write log, and without (never preempted)
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
@@ -115,7 +116,9 @@ class Interleaver(ProgramServices):
 
     # --- per request --------------------------------------------------------------------------
 
-    def admit(self, req_id: str, prompt_len: int, payload_bytes: bytes) -> None:
+    def admit(self, req_id: str, prompt_len: int, payload_bytes: bytes, may_be_preempted: bool = True) -> None:
+        """A new intervened request; ``may_be_preempted``: False where the scheduler knows vLLM
+        never will (scheduler.py): its program keeps no write log."""
         payload = cloudpickle.loads(payload_bytes)
         steps = payload.get("steps")
         state = InvokeState(
@@ -159,8 +162,13 @@ class Interleaver(ProgramServices):
                     self._programs[key] = _on_device(program, self.device)
                 state.program = self._programs[key]
                 state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
-                if self.book.limit > 0:
+                if self.book.limit > 0 and may_be_preempted:
                     state.writes = self.book.open(state.slot)
+                    self.write_logs["kept"] += 1
+                elif self.book.limit > 0:
+                    self.write_logs["skipped"] += 1
+                    state.unlogged = ("it started where KV-cache pressure could never preempt it; vLLM preempted it "
+                                      "anyway, e.g. resetting the prefix cache")
                 state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
                 self.slots.group[state.slot] = self.scheduler.group_number(state.group_key)
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only

@@ -28,7 +28,7 @@ from interlace.workers.interleaver import PAYLOAD_KEY, Interleaver
 from interlace.workers.kv_blocks import KVBlocks
 from interlace.workers.layout import layout_from_v1_runner, layout_from_v2_input_batch
 from interlace.workers.pipeline import pack, take_carry, unpack
-from interlace.workers.scheduler import OUTPUT_COUNTS
+from interlace.workers.scheduler import OUTPUT_COUNTS, UNLOGGED
 
 logger = logging.getLogger("interlace")
 
@@ -116,13 +116,15 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             _guard(inter, kv_blocks.preempted, getattr(scheduler_output, "preempted_req_ids", None) or ())
         if kv_blocks.marked:  # blocks of preempted requests, given to others this step
             _guard(inter, _give_blocks, kv_blocks, scheduler_output)
+        unlogged = getattr(scheduler_output, UNLOGGED, None) or ()  # program requests never preempted
         for new in scheduler_output.scheduled_new_reqs:
             payload = _payload(new)
             # V2 drops a preempted request's state and adds it again as new when it resumes; its
             # invoke keeps its state here, so the rows recomputed are replayed (StepScheduler.schedule)
             # as on V1, which resumes it in place.
             if payload is not None and new.req_id not in inter.invokes:
-                _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload)
+                _guard(inter, inter.admit, new.req_id, len(new.prompt_token_ids or ()), payload,
+                       new.req_id not in unlogged)
             if payload is not None and _may_write(inter.invokes.get(new.req_id)):
                 kv_blocks.hold(new.req_id, new.block_ids)
         if kv_blocks.held or kv_blocks.preempted_waiting:

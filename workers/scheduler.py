@@ -21,6 +21,16 @@ exactly (ops are replayed on the recomputed rows); a program's cannot, so its in
 running queue: vLLM preempts them only when no other running request is left to preempt. (Under
 vLLM's ``priority`` policy the user's priorities decide, as they would without interlace.)
 
+A program request that vLLM could never preempt keeps no write log (write_log.py): the workers
+learn which (``SchedulerOutput.interlace_unlogged``) as it is first scheduled. With programs ahead
+of plain requests and vLLM preempting from the end, a program request is preempted only once
+every request behind it is, so only the program requests ahead of it hold blocks then; if
+their and its own largest size (prompt and ``max_tokens``, with room to spare) fitted the whole
+cache when it was first scheduled, they still do (requests only leave from ahead of it: preempted
+ones come back behind it), and it never is. Logging costs every step a copy of what programs
+wrote and makes their reads copies; an ample cache, the usual case, pays none of it. Under the
+``priority`` policy, a KV connector or several KV-cache groups, every program request logs.
+
 It also tells the workers how many tokens each finished intervened request returned
 (``SchedulerOutput.interlace_output_counts``, next to vLLM's ``finished_req_ids``). Under
 asynchronous scheduling (vLLM's default on GPUs) the scheduler plans step k+1 before step k's
@@ -44,11 +54,26 @@ PROGRAM_KEY = "interlace_program"  # extra_args[PROGRAM_KEY] = True: a program r
 # SchedulerOutput attribute: {request id: output tokens} of intervened requests finished since the
 # last step (pickled with the output to every rank; read by workers/runner_hooks.py)
 OUTPUT_COUNTS = "interlace_output_counts"
+# SchedulerOutput attribute: ids of program requests first scheduled in this step that vLLM can
+# never preempt (read by workers/runner_hooks.py: they keep no write log)
+UNLOGGED = "interlace_unlogged"
 
 
 class GangAdmission:
     """Mixed into vLLM's Scheduler: holds requests until their trace's gang is complete, keeps
     program prompts whole, and has vLLM preempt requests with a program last."""
+
+    def _interlace_start(self, vllm_config=None) -> None:
+        """interlace's state beside vLLM's, once vLLM's scheduler is built (``vllm_config`` None:
+        nothing known of the model or the cache; every program request logs)."""
+        self._interlace_held = {}
+        self._interlace_whole_waiting = False  # a request that needs its prompt whole may wait
+        self._interlace_programs = set()  # live requests with a program, by id: preempted last
+        self._interlace_counts = {}  # finished intervened requests' output tokens, for the next step
+        self._interlace_all_fit = vllm_config is not None and (
+            vllm_config.model_config.max_model_len <= vllm_config.scheduler_config.max_num_batched_tokens)
+        self._interlace_blocks = _never_preempted_rule(self, vllm_config) if vllm_config is not None else None
+        self._interlace_undecided = 0  # program requests not scheduled yet (whether they log is decided then)
 
     def schedule(self, *args, **kwargs):
         if self._interlace_programs and self.policy.value == "fcfs":
@@ -69,11 +94,37 @@ class GangAdmission:
     def _interlace_with_counts(self, output):
         """``output`` carrying the output token counts of the intervened requests freed since
         the last step (their ids are in its ``finished_req_ids``, or, freed during this very
-        pass, in the next one's: the workers keep counts until the id finishes)."""
+        pass, in the next one's: the workers keep counts until the id finishes), and the program
+        requests first scheduled now that need no write log."""
+        if self._interlace_undecided and output.scheduled_new_reqs:
+            setattr(output, UNLOGGED, self._interlace_never_preempted(output))
         if self._interlace_counts:
             setattr(output, OUTPUT_COUNTS, self._interlace_counts)
             self._interlace_counts = {}
         return output
+
+    def _interlace_never_preempted(self, output) -> list[str]:
+        """The program requests first scheduled in ``output`` that vLLM can never preempt (see
+        the module's docstring): the blocks the program requests ahead of each (and its own)
+        could ever take fit the cache."""
+        new = [self.requests.get(r.req_id) for r in output.scheduled_new_reqs]
+        new = {r.request_id for r in new if r is not None and not r.interlace_plain and r.interlace_logs is None}
+        if not new:
+            return []
+        self._interlace_undecided -= len(new)
+        blocks, spare, model_len = self._interlace_blocks
+        never = []
+        taken = 0
+        for request in self.running:  # programs keep their order when sorted ahead of plain requests
+            if request.interlace_plain:
+                continue
+            largest = min(request.num_prompt_tokens + (request.max_tokens or model_len), model_len)
+            taken += -(-(largest + spare) // self.block_size)
+            if request.request_id in new:
+                request.interlace_logs = taken > blocks
+                if not request.interlace_logs:
+                    never.append(request.request_id)
+        return never
 
     def _interlace_keep_whole(self) -> bool:
         if not self._interlace_whole_waiting:  # plain traffic never pays for the scans below
@@ -122,15 +173,35 @@ class GangAdmission:
         request.interlace_plain = not extra.get(PROGRAM_KEY)
         if request.interlace_whole:
             self._interlace_whole_waiting = True
+        if not request.interlace_plain and getattr(request, "interlace_logs", None) is None:
+            request.interlace_logs = None  # decided as it is first scheduled (None: not yet)
+            self._interlace_undecided += self._interlace_blocks is not None
         if not request.interlace_plain:
             self._interlace_programs.add(request.request_id)
         super().add_request(request)
 
     def _free_request(self, request, *args, **kwargs):
         self._interlace_programs.discard(request.request_id)  # finished or aborted
+        if getattr(request, "interlace_logs", False) is None and self._interlace_blocks is not None:
+            self._interlace_undecided -= 1  # aborted before it was ever scheduled
         if _gang(request) is not None:  # intervened: its workers learn how many tokens it returned
             self._interlace_counts[request.request_id] = request.num_output_tokens
         return super()._free_request(request, *args, **kwargs)
+
+
+def _never_preempted_rule(scheduler, vllm_config) -> tuple[int, int, int] | None:
+    """``(blocks in the cache, tokens of room each request may take past its largest size, the
+    model's length)`` where requests that could never be preempted can be told (module docstring), else None."""
+    blocks = getattr(getattr(scheduler, "cache_config", None), "num_gpu_blocks", None)
+    groups = getattr(getattr(scheduler, "kv_cache_config", None), "kv_cache_groups", None)
+    if (not blocks or groups is None or len(groups) != 1 or getattr(scheduler, "connector", None) is not None
+            or scheduler.policy.value != "fcfs" or not getattr(scheduler, "block_size", None)):
+        return None  # a vLLM whose scheduler differs from the one this was written against: log them all
+    speculative = vllm_config.speculative_config
+    lookahead = (speculative.num_speculative_tokens or 0) if speculative is not None else 0
+    # a block of vLLM's own (the null block) is never given; two blocks of room past the largest
+    # size cover async scheduling's placeholder token and a partly filled last block
+    return blocks - 1, 2 * scheduler.block_size + lookahead, vllm_config.model_config.max_model_len
 
 
 _PLAIN = operator.attrgetter("interlace_plain")  # requests without a program sort first: preempted last
@@ -156,10 +227,5 @@ def make_scheduler(*args, vllm_config, **kwargs):
         from vllm.v1.core.sched.scheduler import Scheduler as base
     cls = _CLASSES.setdefault(base, type(f"Gang{base.__name__}", (GangAdmission, base), {}))
     scheduler = cls(*args, vllm_config=vllm_config, **kwargs)
-    scheduler._interlace_held = {}
-    scheduler._interlace_whole_waiting = False  # a request that needs its prompt whole may wait
-    model_len = vllm_config.model_config.max_model_len
-    scheduler._interlace_all_fit = model_len <= vllm_config.scheduler_config.max_num_batched_tokens
-    scheduler._interlace_programs = set()  # live requests with a program, by id: preempted last
-    scheduler._interlace_counts = {}  # finished intervened requests' output tokens, for the next step
+    scheduler._interlace_start(vllm_config)
     return scheduler

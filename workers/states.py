@@ -56,6 +56,7 @@ class InvokeState:
     slots: SlotTable | None = None  # the rank's slot table (where its step is), if it has one
     error_step: int = 0  # the generation step it failed at (see keep_steps_to)
     writes: WriteLog | None = None  # its program's writes, replayed if vLLM recomputes it (write_log.py)
+    unlogged: str = "INTERLACE_REPLAY_LOG_MIB is 0"  # why a program keeps no write log (with writes None)
     flight: Any = None  # its program's flight recorder entry (flight.py), None if unrecorded
 
     # Invokes failed so far, in this process: a step tells whether any failed since the last one
@@ -156,6 +157,11 @@ class CallContext:
 
     # Built only when asked for (a sweep's call would otherwise build 256 of each per step, and a
     # program per invoke reads none of them on its usual path)
+
+    @functools.cached_property
+    def logs(self) -> bool:
+        """Whether any of its invokes keeps a write log (see dispatch._logs)."""
+        return any(s.writes is not None and s.writes.replayable for s in self.invokes)
 
     @functools.cached_property
     def lengths(self) -> np.ndarray:

@@ -154,7 +154,7 @@ class StepScheduler:
         self.replays += int(recomputed.sum()) - len(failed)
         for j in failed:
             log = scheduled.states[j].writes
-            why = log.overflow if log is not None else "it keeps no write log (INTERLACE_REPLAY_LOG_MIB is 0)"
+            why = log.overflow if log is not None else f"it keeps no write log ({scheduled.states[j].unlogged})"
             scheduled.states[j].fail(error_record(RuntimeError(
                 f"vLLM preempted this request and recomputed it from position {firsts[j]} (KV cache "
                 f"pressure), and its program's writes cannot be replayed: {why}. Raise "
