@@ -24,6 +24,9 @@ Only token points are logged (``output``, ``input``, ``resid``, ``final``): a wr
 or ``samples`` changed a token that is now part of the request's sequence, which vLLM recomputes
 from.
 
+Only invokes that vLLM may preempt keep a log: the scheduler names those it never can (room in
+the cache for them and the program requests ahead of them; scheduler.py), and they open none.
+
 Cost: a copy to host memory of the rows programs wrote, per written point and step (from a GPU
 asynchronous, into reused pinned slabs: pinned.py); while a log is kept, a program's reads of
 module outputs and inputs are copies (so an in-place edit shows in their version counters) where
