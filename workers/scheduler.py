@@ -120,10 +120,13 @@ class GangAdmission:
                 continue
             largest = min(request.num_prompt_tokens + (request.max_tokens or model_len), model_len)
             taken += -(-(largest + spare) // self.block_size)
+            if taken > blocks:  # so for every program request from here on: they log
+                break
             if request.request_id in new:
-                request.interlace_logs = taken > blocks
-                if not request.interlace_logs:
-                    never.append(request.request_id)
+                request.interlace_logs = False
+                never.append(request.request_id)
+        for request_id in new.difference(never):
+            self.requests[request_id].interlace_logs = True
         return never
 
     def _interlace_keep_whole(self) -> bool:
