@@ -218,11 +218,16 @@ def main() -> None:
     parser.add_argument("--kv-clear", action="store_true", help="time clearing intervened requests' KV blocks only")
     parser.add_argument("--graphs", action="store_true", help="both engines compiled with CUDA graphs (enforce_eager=False; "
                         "interlace declares the ops cases' points as graph taps, and runs steps with programs eager)")
+    parser.add_argument("--case-taps", action="store_true", help="with --graphs: interlace declares only the cases' "
+                        "points as graph taps (5 layers' resid) instead of every layer's: what each tap costs a step "
+                        "whose programs run between graph pieces (a cut and a Python break per tap)")
     parser.add_argument("--eager-too", action="store_true", help="with --graphs: a third engine, interlace eager (the "
                         "default), runs every case on the same prompts right after the compiled one, against the same plain run")
     args = parser.parse_args()
     args.sizes = [int(n) for n in str(args.n).split(",")]
     args.n = args.sizes[0]  # --kv-clear's
+    if args.case_taps and not args.graphs:
+        parser.error("--case-taps declares graph taps: give --graphs")
     if args.eager_too and not args.graphs:
         parser.error("--eager-too compares an eager interlace engine with a compiled one: give --graphs")
     if args.kv_clear:
@@ -236,7 +241,8 @@ def main() -> None:
     hf = plain.llm_engine.model_config.hf_config
     # Compiled: the default graph taps (every layer's resid), where ops run inside the CUDA graphs
     # and programs between their pieces (taps.py, graphs.py)
-    model = interlace.Model(cfg)
+    model = interlace.Model(cfg.model_copy(update={"graph_taps": graph_taps(hf.num_hidden_layers)})
+                            if args.case_taps else cfg)
     eager = interlace.Model(config(argparse.Namespace(**{**vars(args), "graphs": False}))) if args.eager_too else None
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     seeds = itertools.count(1)  # one stream for every size: no pair sees another's prompts (prefix cache)
