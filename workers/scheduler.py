@@ -27,9 +27,9 @@ of plain requests and vLLM preempting from the end, a program request is preempt
 every request behind it is, so only the program requests ahead of it hold blocks then; if
 their and its own largest size (prompt and ``max_tokens``, with room to spare) fitted the whole
 cache when it was first scheduled, they still do (requests only leave from ahead of it: preempted
-ones come back behind it), and it never is. Logging costs every step a copy of what programs
-wrote and makes their reads copies; an ample cache, the usual case, pays none of it. Under the
-``priority`` policy, a KV connector or several KV-cache groups, every program request logs.
+ones come back behind it), and it never is. Logging costs every step a host copy of what
+programs wrote; an ample cache, the usual case, pays none of it. Under the ``priority`` policy,
+a KV connector or several KV-cache groups, every program request logs.
 
 It also tells the workers how many tokens each finished intervened request returned
 (``SchedulerOutput.interlace_output_counts``, next to vLLM's ``finished_req_ids``). Under
