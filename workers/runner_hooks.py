@@ -116,7 +116,7 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             _guard(inter, kv_blocks.preempted, getattr(scheduler_output, "preempted_req_ids", None) or ())
         if kv_blocks.marked:  # blocks of preempted requests, given to others this step
             _guard(inter, _give_blocks, kv_blocks, scheduler_output)
-        unlogged = getattr(scheduler_output, UNLOGGED, None) or ()  # program requests never preempted
+        unlogged = set(getattr(scheduler_output, UNLOGGED, None) or ())  # program requests never preempted
         for new in scheduler_output.scheduled_new_reqs:
             payload = _payload(new)
             # V2 drops a preempted request's state and adds it again as new when it resumes; its
