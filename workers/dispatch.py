@@ -120,7 +120,7 @@ class PointDispatcher:
             return
         by_point: dict[Point, list[tuple[ProgramCall, CallContext, Held]]] = {}
         for call, ctx in delivered:
-            if not ctx.holds.live or not _logs(ctx):
+            if not ctx.holds.live or not ctx.logs:
                 continue
             for held in ctx.holds.live:
                 if held.written is not None and held.point.kind in TOKEN_KINDS:
@@ -246,7 +246,7 @@ class PointDispatcher:
                     held.access.write(point, held.rows, local)
                 # A tensor of the program's own may change without being written again: logged as
                 # it is now. Its copy handed out here (``resid += v``) may not: an edit is refused.
-                held.written = local if value is held.value or not _logs(ctx) else _own_copy(local)
+                held.written = local if value is held.value or not ctx.logs else _own_copy(local)
                 call.writes += 1
         except Exception as exc:  # noqa: BLE001
             call.error = call.error or error_record(exc, where=f"writing {call.view.where()}")
@@ -341,13 +341,6 @@ def _local(split, value: Any) -> Any:
     if isinstance(value, tuple):
         return (split.local(value[0]), *value[1:])
     return split.local(value)
-
-
-def _logs(ctx: CallContext) -> bool:
-    """Whether any of the call's invokes keeps a write log (write_log.py): a batched call's may
-    differ (one past its limit, one that started where vLLM can never preempt it), and those that
-    keep one need every write."""
-    return ctx.logs
 
 
 def _own_copy(value: Any) -> Any:

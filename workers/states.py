@@ -160,7 +160,9 @@ class CallContext:
 
     @functools.cached_property
     def logs(self) -> bool:
-        """Whether any of its invokes keeps a write log (see dispatch._logs)."""
+        """Whether any of its invokes keeps a write log (write_log.py): a batched call's may
+        differ (one past its limit, one that started where vLLM can never preempt it), and those
+        that keep one need every write."""
         return any(s.writes is not None and s.writes.replayable for s in self.invokes)
 
     @functools.cached_property
