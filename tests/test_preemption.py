@@ -226,3 +226,43 @@ def test_programs_are_preempted_last_so_one_among_ops_invokes_completes_exactly(
     for result in tr.result[:5]:
         assert result.token_ids == alone_ops.token_ids
         torch.testing.assert_close(result.saves["layers.2.resid"], alone_ops.saves["layers.2.resid"], atol=ATOL, rtol=ATOL)
+
+
+def test_an_unlogged_program_that_vllm_preempts_anyway_fails_naming_why(llama, oracles, monkeypatch):
+    """With an ample cache no program keeps a write log (vLLM could never preempt it for room).
+    Resetting the prefix cache with requests running preempts them anyway: each program invoke then
+    fails, saying its writes cannot be replayed and why, never running on the wrong activations;
+    an ops invoke beside them is replayed and comes out as it does undisturbed; the engine serves on."""
+    ids = _ids(oracles)
+    engine = llama.engine.llm_engine
+    preempted = []
+
+    def generate_with_a_reset(trace_id, prompts, params):
+        # Model._generate, stepped by hand so the reset lands between two steps of the trace
+        names = [f"{trace_id}-{i}" for i in range(len(prompts))]
+        for name, prompt, param in zip(names, prompts, params):
+            engine.add_request(name, prompt, param)
+        outputs, steps = {}, 0
+        while engine.has_unfinished_requests():
+            outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+            steps += 1
+            if steps == 6:  # prompts done, a few tokens generated
+                preempted.append(engine.reset_prefix_cache(reset_running_requests=True))
+        return [outputs[name] for name in names]
+
+    invoke_ops = [ops.save("layers.2.resid", tokens="last")]
+    monkeypatch.setattr(llama, "_generate", generate_with_a_reset)
+    replays_before = replays(llama)
+    with pytest.raises(interlace.InterventionError, match="could never preempt it; vLLM preempted it anyway") as failed:
+        with llama.trace(max_tokens=32, ignore_eos=True) as tr:
+            tr.invoke(ids, program=steering(0))
+            tr.invoke(ids, ops=invoke_ops)
+    monkeypatch.undo()
+    assert preempted == [True] and replays(llama) > replays_before
+    assert "its program's writes cannot be replayed" in str(failed.value)
+    alone = llama.generate(ids, ops=invoke_ops, max_tokens=32, ignore_eos=True)
+    replayed = failed.value.partial[1]
+    assert replayed.token_ids == alone.token_ids
+    torch.testing.assert_close(replayed.saves["layers.2.resid"], alone.saves["layers.2.resid"], atol=ATOL, rtol=ATOL)
+    after = llama.generate(ids, program=steering(0), max_tokens=4, ignore_eos=True)  # serving on
+    assert after.saves["h"].shape == (len(ids) + 3, 128)
