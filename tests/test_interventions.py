@@ -219,6 +219,38 @@ def test_batched_program_runs_once_per_step_for_the_group(llama, oracles):
         assert tr.result[i].saves["group"].tolist() == [4, 4, 4]  # one call per step for all four
 
 
+def test_a_steps_saves_are_snapshots_kept_in_the_order_made(llama, oracles):
+    """A program's saves of a step are kept together (one ledger entry per run of saves of the
+    same rows) but each is the value as it was when saved, and one name saved twice in a step
+    comes back in the order of the saves."""
+    oracle = oracles["tiny-llama"]
+    prompts = [oracle.ids(p) for p in ["The capital of France is", "One two three", "Hello there"]]
+
+    @interlace.batched
+    def program(m):
+        h = m.layers[1].resid
+        m.save("x", m.last(h))  # before the edit (on decode steps a view of what is edited next)
+        m.save("before", h)
+        h += 1.0
+        m.save("x", m.last(h))  # after it: the same name again in this step
+        m.save("later", m.last(m.layers[2].resid))
+
+    with llama.trace(max_tokens=4, ignore_eos=True) as tr:
+        for ids in prompts:
+            tr.invoke(ids, program=program)
+    op_list = [ops.add("layers.1.resid", torch.ones(128)), ops.save("layers.2.resid", name="later", tokens="last")]
+    for i, ids in enumerate(prompts):
+        got = tr.result[i].saves
+        assert got["x"].shape == (8, 128)  # 4 steps, two saves each
+        before, after = got["x"][0::2], got["x"][1::2]
+        torch.testing.assert_close(after - before, torch.ones_like(before), atol=1e-5, rtol=0)
+        rows = len(ids) + torch.arange(4) - 1  # each step's last row of "before" (the prompt's, then one a step)
+        torch.testing.assert_close(got["before"][rows], before, atol=0, rtol=0)
+        ref = llama.generate(ids, ops=op_list, max_tokens=4, ignore_eos=True)
+        assert tr.result[i].token_ids == ref.token_ids
+        torch.testing.assert_close(got["later"], ref.saves["later"], atol=ATOL, rtol=ATOL)
+
+
 def test_declarative_ops_equal_programs(llama, oracles):
     oracle = oracles["tiny-llama"]
     ids = oracle.ids("Steering vectors add a direction")

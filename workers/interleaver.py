@@ -419,6 +419,12 @@ class Interleaver(ProgramServices):
                     call.cancel(self._unreached(call))
                 if not self.stages.last:
                     step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
+        for call, ctx in step.calls:
+            if ctx.held_saves:
+                try:
+                    self.flush_saves(ctx)
+                except Exception as exc:  # noqa: BLE001 - past a limit with the step's other saves
+                    call.error = call.error or error_record(exc, where=ctx.step_words())
         self.dispatcher.close_calls(step.calls)
         for call, ctx in step.calls:
             call.release()

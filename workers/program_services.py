@@ -7,6 +7,7 @@ contributions, messages between a trace's invokes, parameters; the watchdog (cal
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -55,7 +56,10 @@ class ProgramServices:
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            self._save_rows(ctx.invokes, ctx.members.slots, [(name, value)], *_split_rows(ctx, value, "save"))
+            starts, stops = _split_rows(ctx, value, "save")
+            if not self._hold_save(ctx, name, value, starts, stops):  # it may not fit: checked now, exactly
+                self.flush_saves(ctx)
+                self._save_rows(ctx.invokes, ctx.members.slots, [(name, value)], starts, stops)
             return
         if isinstance(value, torch.Tensor):  # a scalar: kept whole (a batched call needs rows)
             _split_rows(ctx, value, "save")
@@ -63,6 +67,52 @@ class ProgramServices:
         for inv, step in zip(ctx.invokes, ctx.steps):
             inv.saves.setdefault(name, []).append(value)
             inv.save_steps.setdefault(name, []).append(step)
+
+    def _hold_save(self, ctx: CallContext, name: str, value: torch.Tensor, starts: np.ndarray,
+                   stops: np.ndarray) -> bool:
+        """Keep a snapshot of the save with the call until its step ends (:meth:`flush_saves`),
+        if it fits every invoke's room left whatever the rows' split (the call's saves held so
+        far, all invokes' together, within the smallest room). A step's saves of the same rows
+        then go to the ledger as one entry: each ``_save_rows`` costs a few tens of microseconds of
+        bookkeeping on the engine thread, four of them a step for a program saving 4 layers,
+        which showed at 1 and 8 requests on an H200 host (docs/benchmarks.md). Every TP rank
+        decides alike (the same values, the same slot table); only the rank that keeps rows
+        copies them."""
+        nbytes = value.nelement() * value.element_size()
+        room = ctx.save_room
+        if room is None:
+            slots, table = ctx.members.slots, self.slots
+            if len(slots) == 1:  # a program per invoke: scalars, not an array operation
+                slot = int(slots[0])
+                room = int(table.save_limit[slot]) - int(table.save_used[slot])
+            else:
+                room = int((table.save_limit[slots] - table.save_used[slots]).min())
+            ctx.save_room = room
+        if ctx.held_bytes + nbytes > room:
+            return False
+        ctx.held_bytes += nbytes
+        if self.rank["tp_rank"] == 0:  # a snapshot: later in-place kernels and the program's edits cannot change it
+            value = value.detach().clone()
+        ctx.held_saves.append((name, value, starts, stops))
+        return True
+
+    def flush_saves(self, ctx: CallContext) -> None:
+        """Record the call's held saves (the interleaver calls this as the step ends, before its
+        calls close): runs of saves of the same rows, as one ledger entry each (on one kind of
+        device: an entry is kept on the GPU or on the host), in the order they were made (a
+        name saved twice in a run is two chunks of the entry, in that order). Raises as
+        ``_save_rows`` does."""
+        held, ctx.held_saves, ctx.held_bytes, ctx.save_room = ctx.held_saves, [], 0, None  # rooms change now
+        group: list[tuple[str, torch.Tensor]] = []
+        for name, value, starts, stops in held:
+            if group and not (starts is group_starts and stops is group_stops and value.is_cuda == group[0][1].is_cuda):
+                self._save_rows(ctx.invokes, ctx.members.slots, group, group_starts, group_stops, fresh=True)
+                group = []
+            if not group:
+                group_starts, group_stops = starts, stops
+            group.append((name, value))
+        if group:
+            self._save_rows(ctx.invokes, ctx.members.slots, group, group_starts, group_stops, fresh=True)
 
     def _save_rows(self, invokes: list[InvokeState], slots: np.ndarray, named: list[tuple[str, torch.Tensor]],
                    starts: np.ndarray, stops: np.ndarray, fresh: bool = False, traces: TraceOwners | None = None,
@@ -190,16 +240,26 @@ def _split_rows(ctx: CallContext, value: torch.Tensor, what: str) -> tuple[np.nd
     per invoke)."""
     n = len(ctx.invokes)
     if n == 1:
-        return np.zeros(1, np.int64), np.array([value.shape[0] if value.dim() else 1], np.int64)
+        return _one_invoke_rows(value.shape[0] if value.dim() else 1)
     if value.dim() >= 1:
         if value.shape[0] == ctx.num_rows:
             return ctx.local_starts, ctx.local_stops
         if value.shape[0] == n:  # one row per invoke, kept 2-D as a single invoke's call would
-            return np.arange(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)
+            return ctx.row_per_invoke
     raise ValueError(
         f"{what}() in a batched call over {n} invokes needs a tensor whose first dim is the "
         f"call's {ctx.num_rows} token rows or its {n} invokes (got shape {tuple(value.shape)})"
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_invoke_rows(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, stops)`` of a one-invoke call's ``rows`` rows, the same arrays for every call
+    (read-only: the ledger keeps them), so that a step's saves of the same rows are seen as such
+    (ProgramServices.flush_saves) without comparing arrays."""
+    starts, stops = np.zeros(1, np.int64), np.array([rows], np.int64)
+    starts.flags.writeable = stops.flags.writeable = False
+    return starts, stops
 
 
 def _human_bytes(n: int) -> str:

@@ -154,6 +154,11 @@ class CallContext:
         else:
             self.num_rows = int((members.stops - members.starts).sum())
         self.holds = Holdings()  # what the program read this step, and whether it may still write it
+        # Saves held until the step ends (ProgramServices.flush_saves): (name, snapshot, starts,
+        # stops), their bytes, and the smallest room left to one of the invokes (None: not looked up)
+        self.held_saves: list = []
+        self.held_bytes = 0
+        self.save_room: int | None = None
 
     # Built only when asked for (a sweep's call would otherwise build 256 of each per step, and a
     # program per invoke reads none of them on its usual path)
@@ -177,6 +182,12 @@ class CallContext:
     @functools.cached_property
     def local_starts(self) -> np.ndarray:
         return self.local_stops - self.lengths
+
+    @functools.cached_property
+    def row_per_invoke(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)`` of a value with one row per invoke."""
+        n = len(self.invokes)
+        return np.arange(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)
 
     @functools.cached_property
     def steps(self) -> list[int]:
