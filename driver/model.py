@@ -102,8 +102,10 @@ class Model:
         or ran eager (None on an eager engine), ``taps``, the steps whose ops ran in graph taps
         and the forwards through each tap (None without taps), and ``replays``, the chunks vLLM
         recomputed after preempting a request, on which ops and programs' logged writes were
-        replayed, and ``write_logs``, the program invokes that kept a write log for that
-        (``kept``) and those that did not because vLLM could never preempt them (``skipped``)::
+        replayed, ``write_logs``, the program invokes that kept a write log for that
+        (``kept``) and those that did not because vLLM could never preempt them (``skipped``), and
+        ``saves``, programs' tensor saves held to their step's end and recorded together
+        (``held``) or recorded where made (``at_once``: too large to hold, or near a limit)::
 
             >>> model = interlace.Model("tiny-llama", graph_taps=["layers.1.resid"])
             >>> _ = model.generate("Hello", ops=[interlace.ops.save("layers.1.resid")], max_tokens=2)

@@ -219,6 +219,11 @@ def test_batched_program_runs_once_per_step_for_the_group(llama, oracles):
         assert tr.result[i].saves["group"].tolist() == [4, 4, 4]  # one call per step for all four
 
 
+def _save_counts(model) -> list[tuple[int, int]]:
+    """Each rank's programs' saves so far: (held to the step's end, recorded where made)."""
+    return [(rank["saves"]["held"], rank["saves"]["at_once"]) for rank in model.step_counts()]
+
+
 def test_a_steps_saves_are_snapshots_kept_in_the_order_made(llama, oracles):
     """A program's saves of a step are kept together (one ledger entry per run of saves of the
     same rows) but each is the value as it was when saved, and one name saved twice in a step
@@ -235,9 +240,14 @@ def test_a_steps_saves_are_snapshots_kept_in_the_order_made(llama, oracles):
         m.save("x", m.last(h))  # after it: the same name again in this step
         m.save("later", m.last(m.layers[2].resid))
 
+    before = _save_counts(llama)
     with llama.trace(max_tokens=4, ignore_eos=True) as tr:
         for ids in prompts:
             tr.invoke(ids, program=program)
+    held = [(h - h0, a - a0) for (h, a), (h0, a0) in zip(_save_counts(llama), before)]
+    # every save held on the rank that ran it (4 saves x 4 steps; under PP the stages share them)
+    assert all(at_once == 0 for _h, at_once in held) and max(h for h, _a in held) > 0, held
+    assert sum(h for h, _a in held) in (4 * 4, 4 * 4 * len(held)), held  # PP stages, or TP ranks alike
     op_list = [ops.add("layers.1.resid", torch.ones(128)), ops.save("layers.2.resid", name="later", tokens="last")]
     for i, ids in enumerate(prompts):
         got = tr.result[i].saves
@@ -249,6 +259,29 @@ def test_a_steps_saves_are_snapshots_kept_in_the_order_made(llama, oracles):
         ref = llama.generate(ids, ops=op_list, max_tokens=4, ignore_eos=True)
         assert tr.result[i].token_ids == ref.token_ids
         torch.testing.assert_close(got["later"], ref.saves["later"], atol=ATOL, rtol=ATOL)
+
+
+def test_a_save_too_large_to_hold_is_recorded_where_made_between_held_ones(llama, oracles):
+    """A save larger than a step's held snapshots may be (64 MiB) is recorded where it is made,
+    after what the call held before it; the saves around it are held as usual."""
+    ids = oracles["tiny-llama"].ids(PROMPT)
+
+    def program(m):
+        m.save("x", m.layers[0].resid)
+        m.save("big", torch.full((140_000, 128), float(m.step)))  # 72 MB
+        m.save("y", m.layers[1].resid)
+
+    before = _save_counts(llama)
+    got = llama.generate(ids, program=program, max_tokens=2, ignore_eos=True)
+    counts = {(h - h0, a - a0) for (h, a), (h0, a0) in zip(_save_counts(llama), before)}
+    assert counts - {(0, 0)} == {(4, 2)}, counts  # x and y held, big not, 2 steps (a later PP stage saves none)
+    ref = llama.generate(ids, program=lambda m: (m.save("x", m.layers[0].resid), m.save("y", m.layers[1].resid)),
+                         max_tokens=2, ignore_eos=True)
+    assert got.token_ids == ref.token_ids
+    for name in ("x", "y"):
+        torch.testing.assert_close(got.saves[name], ref.saves[name], atol=0, rtol=0)
+    assert got.saves["big"].shape == (280_000, 128)
+    assert got.saves["big"][:140_000].eq(0).all() and got.saves["big"][140_000:].eq(1).all()
 
 
 def test_declarative_ops_equal_programs(llama, oracles):

@@ -44,7 +44,9 @@ class InterlaceWorkerExtension:
         programs ran at them (``programs``), and the forwards that ran each tap's ops (by module
         name; every graph replay does; None without taps); ``replays``: as :meth:`interlace_replays`;
         ``write_logs``: program invokes admitted with a write log (``kept``) and without one because
-        vLLM could never preempt them (``skipped``; scheduler.py)."""
+        vLLM could never preempt them (``skipped``; scheduler.py); ``saves``: programs' tensor saves
+        held to their step's end and recorded together (``held``), and those recorded where made
+        (``at_once``: too large to hold, or near a limit; program_services.py)."""
         inter = self.model_runner._interlace
         taps = None
         if inter.taps is not None:
@@ -52,7 +54,7 @@ class InterlaceWorkerExtension:
             taps = {"steps": inter.tap_steps, "programs": inter.piece_steps,
                     "ran": {name: ran[i] for name, i in inter.taps.index.items()}}
         return {"graph_steps": getattr(inter, "graph_steps", None), "taps": taps, "replays": inter.scheduler.replays,
-                "write_logs": dict(inter.write_logs)}
+                "write_logs": dict(inter.write_logs), "saves": dict(inter.save_counts)}
 
     def interlace_set_attribute(self, module: str, name: str, value) -> bool:
         """Set an attribute of one of this rank's modules (tests use it to emulate model variants,

@@ -97,6 +97,7 @@ class Interleaver(ProgramServices):
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
         self.book = WriteBook(self.slots, settings.replay_log_bytes(), self.device)  # programs' writes (write_log.py)
         self.write_logs = {"kept": 0, "skipped": 0}  # program invokes with a write log, and without (never preempted)
+        self.save_counts = {"held": 0, "at_once": 0}  # programs' tensor saves held to their step's end, or not
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
@@ -425,6 +426,7 @@ class Interleaver(ProgramServices):
                     self.flush_saves(ctx)
                 except Exception as exc:  # noqa: BLE001 - past a limit with the step's other saves
                     call.error = call.error or error_record(exc, where=ctx.step_words())
+        self.held_total = 0  # every call's held saves are recorded (or failed) now
         self.dispatcher.close_calls(step.calls)
         for call, ctx in step.calls:
             call.release()

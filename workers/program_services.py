@@ -25,6 +25,12 @@ from interlace.workers.states import CallContext, InvokeState, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
 
 
+# Snapshots held until their step ends, all calls' together (ProgramServices._hold_save): what the
+# ledger would have moved to the host at once past its device room stays bounded; a larger save is
+# recorded where it is made, as every save was before.
+HELD_BYTES_MAX = 64 << 20
+
+
 class ProgramServices:
     """The services a program's ``m`` calls: a mixin of :class:`~interlace.workers.interleaver.Interleaver`.
 
@@ -45,6 +51,8 @@ class ProgramServices:
     ledger: SaveLedger
     reports: ReportBatcher
     agree_max: Callable[[np.ndarray], np.ndarray] | None
+    held_total = 0  # bytes of snapshots held by the step's calls (an instance attribute once set)
+    save_counts: dict[str, int]
 
     def last_words(self, ctx: CallContext, record: dict) -> None:
         """Report ``record`` as the error of the call's invokes, now, from the watchdog's thread:
@@ -57,7 +65,10 @@ class ProgramServices:
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             starts, stops = _split_rows(ctx, value, "save")
-            if not self._hold_save(ctx, name, value, starts, stops):  # it may not fit: checked now, exactly
+            if self._hold_save(ctx, name, value, starts, stops):
+                self.save_counts["held"] += 1
+            else:  # large, or it may not fit: recorded now
+                self.save_counts["at_once"] += 1
                 self.flush_saves(ctx)
                 self._save_rows(ctx.invokes, ctx.members.slots, [(name, value)], starts, stops)
             return
@@ -72,7 +83,8 @@ class ProgramServices:
                    stops: np.ndarray) -> bool:
         """Keep a snapshot of the save with the call until its step ends (:meth:`flush_saves`),
         if it fits every invoke's room left whatever the rows' split (the call's saves held so
-        far, all invokes' together, within the smallest room). A step's saves of the same rows
+        far, all invokes' together, within the smallest room) and the step's held snapshots stay
+        within :data:`HELD_BYTES_MAX`. A step's saves of the same rows
         then go to the ledger as one entry: each ``_save_rows`` costs a few tens of microseconds of
         bookkeeping on the engine thread, four of them a step for a program saving 4 layers,
         which showed at 1 and 8 requests on an H200 host (docs/benchmarks.md). Every TP rank
@@ -88,9 +100,10 @@ class ProgramServices:
             else:
                 room = int((table.save_limit[slots] - table.save_used[slots]).min())
             ctx.save_room = room
-        if ctx.held_bytes + nbytes > room:
+        if ctx.held_bytes + nbytes > room or self.held_total + nbytes > HELD_BYTES_MAX:
             return False
         ctx.held_bytes += nbytes
+        self.held_total += nbytes
         if self.rank["tp_rank"] == 0:  # a snapshot: later in-place kernels and the program's edits cannot change it
             value = value.detach().clone()
         ctx.held_saves.append((name, value, starts, stops))
@@ -102,6 +115,7 @@ class ProgramServices:
         device: an entry is kept on the GPU or on the host), in the order they were made (a
         name saved twice in a run is two chunks of the entry, in that order). Raises as
         ``_save_rows`` does."""
+        self.held_total -= ctx.held_bytes
         held, ctx.held_saves, ctx.held_bytes, ctx.save_room = ctx.held_saves, [], 0, None  # rooms change now
         group: list[tuple[str, torch.Tensor]] = []
         for name, value, starts, stops in held:
