@@ -105,9 +105,8 @@ class Replica:
                 "module_names": self._module_names}
 
     async def step_counts(self) -> list[dict[str, Any]]:
-        """Each rank's step counters: ``graph_steps`` (a compiled engine's graph / taps / eager
-        steps, else None), ``taps`` (steps whose ops ran in graph taps, else None) and
-        ``replays`` (chunks recomputed after a preemption, replayed)."""
+        """Each rank's step counters, as ``interlace.Model.step_counts`` has them: ``graph_steps``,
+        ``taps``, ``replays``, ``write_logs`` and ``saves``."""
         engine = await self._engine_up()
         return await engine.collective_rpc("interlace_step_counts")
 
