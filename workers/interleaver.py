@@ -332,6 +332,7 @@ class Interleaver(ProgramServices):
             scheduled = scheduled.pick(np.array([j for j, s in enumerate(scheduled.states) if s.error is None], np.int64))
         ops = scheduler.step_ops(scheduled, memo, reuse=not failed)
         self.step = Step(layout, [], ops, memo=memo)
+        self.held_total = 0  # no call holds a save yet (a step that never ended lost its held ones)
         if (scheduled.firsts < scheduled.replay_until).any():  # rows recomputed after a preemption
             self.step.replays = self._replays(scheduled)
         if self.tap_step:  # every op runs inside the forward, from the taps' buffers: no hook applies one
@@ -426,7 +427,6 @@ class Interleaver(ProgramServices):
                     self.flush_saves(ctx)
                 except Exception as exc:  # noqa: BLE001 - past a limit with the step's other saves
                     call.error = call.error or error_record(exc, where=ctx.step_words())
-        self.held_total = 0  # every call's held saves are recorded (or failed) now
         self.dispatcher.close_calls(step.calls)
         for call, ctx in step.calls:
             call.release()
