@@ -102,6 +102,10 @@ def ray_nodes(count: int, ranks: int = 1, audit: bool = False):
     bin_dir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", RAY_AUTH_MODE="token" if is_token_auth_enabled() else "disabled")
+    # A killed node is marked dead after 3 failed health checks a second apart, not 5 three seconds
+    # apart (Ray's defaults): the tests that kill one wait on that. A check of a live node still
+    # has Ray's 10 s to answer, so a node busy starting engines on this host's 2 cores is not lost.
+    env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
     if env["RAY_AUTH_MODE"] == "token":
         subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     if audit:
