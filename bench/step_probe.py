@@ -11,7 +11,7 @@ PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each
 microseconds per call, which inflates the finer phases).
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
-       [--graphs] [--taps] [--kv-gib G] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
+       [--graphs [--case-taps]] [--taps] [--kv-gib G] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
        [--blocking-sync] [--timeline]
 Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
 the machine may drift between runs minutes apart, so compare a case with its own variants.
@@ -531,12 +531,14 @@ def main() -> None:
                         help="run each case also with this part of interlace switched off (results are then "
                              "incomplete: a diagnostic of where time goes)")
     parser.add_argument("--graphs", action="store_true",
-                        help="a compiled engine with CUDA graphs (enforce_eager=False) whose ops cases' points are graph "
-                             "taps: steps with programs run eager")
+                        help="a compiled engine with CUDA graphs (enforce_eager=False) with interlace's default graph "
+                             "taps (every layer's resid), as runner_bench --graphs")
+    parser.add_argument("--case-taps", action="store_true",
+                        help="declare only the cases' points as graph taps (as runner_bench --case-taps)")
     parser.add_argument("--kv-gib", type=float, default=None,
                         help="KV cache per rank in GiB (as runner_bench's): small enough and vLLM preempts")
     parser.add_argument("--taps", action="store_true",
-                        help="the ops cases' points are graph taps (implied by --graphs; on a CPU, taps run in the eager forward)")
+                        help="the ops cases' points are graph taps (on a CPU, taps run in the eager forward)")
     parser.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
                         help="only this: each case's traces in --ab-variants, alternating on one engine for ROUNDS "
                              "rounds; medians and minima of the trace and of its tail")
@@ -564,7 +566,7 @@ def main() -> None:
 
     args.tp, args.pp = 1, 1
     cfg = config(args)
-    if args.graphs or args.taps:  # as runner_bench --graphs: the ops cases' points are graph taps (taps.py)
+    if args.taps or args.case_taps:  # the ops cases' points are graph taps (taps.py); --graphs alone: the default taps
         from transformers import AutoConfig
 
         cfg = cfg.model_copy(update={"graph_taps": graph_taps(AutoConfig.from_pretrained(cfg.checkpoint_path()).num_hidden_layers)})
