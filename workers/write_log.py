@@ -55,6 +55,8 @@ import torch
 from interlace.workers.points import Point, expand_ranges
 from interlace.workers.slots import SlotTable
 
+_SCRATCHES = 2  # host buffers replays gather into, used in turn (WriteBook.replay)
+
 
 class Written:
     """The rows of one point one or more calls wrote in one step, on the host, for all their
@@ -124,10 +126,14 @@ class WriteBook:
         # (61 MiB at the 1B shape) made the gather 7x slower, faulting its pages in (2-core CPU).
         # Pinned when a GPU reads it: from pageable memory the copy of a 16k-row step waited for
         # the stream and ran at a fraction of the bus's speed. A replay's values are written (on
-        # a CPU) or copied to the device (``_sent`` waited for) before the next replay reuses it.
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        # a CPU) or copied to the device before a replay reuses it. Two scratch buffers in turn:
+        # waiting for the last replay's copies would wait for the GPU to reach the step that made
+        # them, and recomputed chunks often come in consecutive steps, where the engine runs a
+        # step ahead of the GPU (asynchronous scheduling); the replay two steps back has landed.
+        self._scratches = [torch.empty(0, dtype=torch.uint8) for _ in range(_SCRATCHES)]
+        self._turn = 0  # the scratch this replay cuts from
         self._carved = 0
-        self._sent: torch.cuda.Event | None = None  # the last replay's copies to the device
+        self._sent: list[torch.cuda.Event | None] = [None] * _SCRATCHES  # each scratch's last copies to the device
         self._cols = np.empty((6, 0), np.int64)  # see _columns
         self._points: dict[Point, int] = {}  # the points entries wrote, numbered
         self._point_list: list[Point] = []
@@ -194,9 +200,11 @@ class WriteBook:
         the order first written: ``value`` holds the rows' values on the book's device (a
         tensor, or a tuple with None where not per token), ``requests`` which of the k have rows
         in it."""
-        if self._sent is not None:  # the scratch memory is about to be cut again
-            self._sent.synchronize()
-            self._sent = None
+        self._turn = (self._turn + 1) % _SCRATCHES
+        sent = self._sent[self._turn]
+        if sent is not None:  # this scratch is about to be cut again
+            sent.synchronize()
+            self._sent[self._turn] = None
         self._carved = 0
         if not self.entries or not len(ids):
             return []
@@ -236,8 +244,8 @@ class WriteBook:
             out.append((self._point_list[number], expand_ranges(targets[sel], counts[sel]), self._send(value),
                         np.unique(k[sel])))
         if self.device is not None:
-            self._sent = torch.cuda.Event()
-            self._sent.record()
+            self._sent[self._turn] = torch.cuda.Event()
+            self._sent[self._turn].record()
         return out
 
     def _columns(self) -> np.ndarray:
@@ -279,11 +287,12 @@ class WriteBook:
     def _carve(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor cut from the scratch memory (grown, never shrunk)."""
         nbytes = -(-math.prod(shape) * dtype.itemsize // 64) * 64
-        if self._carved + nbytes > len(self._scratch):  # earlier cuts keep the old memory alive
-            self._scratch = torch.empty(max(2 * len(self._scratch), nbytes), dtype=torch.uint8,
-                                        pin_memory=self.device is not None)
+        scratch = self._scratches[self._turn]
+        if self._carved + nbytes > len(scratch):  # earlier cuts keep the old memory alive
+            scratch = self._scratches[self._turn] = torch.empty(max(2 * len(scratch), nbytes), dtype=torch.uint8,
+                                                                pin_memory=self.device is not None)
             self._carved = 0
-        piece = self._scratch[self._carved : self._carved + math.prod(shape) * dtype.itemsize]
+        piece = scratch[self._carved : self._carved + math.prod(shape) * dtype.itemsize]
         self._carved += nbytes
         return piece.view(dtype).view(shape)
 
