@@ -9,7 +9,6 @@ in one place is what keeps ``Model`` and ``Cluster`` results equal.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -41,11 +40,11 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
         prompt: dict = {"prompt": text_or_ids} if isinstance(text_or_ids, str) else {"prompt_token_ids": list(text_or_ids)}
         extra = None
         if payload is not None:
-            payload = dataclasses.replace(payload, trace=wire_trace, sink=sink or payload.sink)
             # A unique salt keeps prefix caching from skipping this request's prompt tokens,
             # which its hooks must see; plain requests keep the cache.
             prompt["cache_salt"] = f"interlace-{wire_trace}-{payload.invoke}"
-            extra = {"interlace": payload_bytes(payload), GANG_KEY: [wire_trace, payload.invoke, gang_size]}
+            extra = {"interlace": payload_bytes(payload, trace=wire_trace, sink=sink or payload.sink),
+                     GANG_KEY: [wire_trace, payload.invoke, gang_size]}
             if payload.program is not None:
                 extra[PROGRAM_KEY] = True  # preempted last: its accesses cannot be replayed
                 if payload.steps is None or 0 in payload.steps:
