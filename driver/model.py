@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 import weakref
-from itertools import repeat
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -248,7 +247,7 @@ class Trace:
     def invoke(self, prompt: str | list[int], program: Callable | None = None,
                ops: Iterable[dict] = (), steps: Iterable[int] | None = None) -> int:
         """Add a prompt (text or token ids) with an optional program and ops; returns its index."""
-        if not isinstance(prompt, (str, list, tuple)) or (not isinstance(prompt, str) and not all(map(isinstance, prompt, repeat(int)))):
+        if not isinstance(prompt, (str, list, tuple)) or (not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt)):
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if program is not None and not callable(program):
             raise TypeError(f"program must be a function taking the model view m, got {program!r}")

@@ -129,7 +129,8 @@ class WriteBook:
         # a CPU) or copied to the device before a replay reuses it. Two scratch buffers in turn:
         # waiting for the last replay's copies would wait for the GPU to reach the step that made
         # them, and recomputed chunks often come in consecutive steps, where the engine runs a
-        # step ahead of the GPU (asynchronous scheduling); the replay two steps back has landed.
+        # step ahead of the GPU (asynchronous scheduling); the replay two steps back has landed. Cost:
+        # twice the pinned memory, each buffer as large as the largest replay it served.
         self._scratches = [torch.empty(0, dtype=torch.uint8) for _ in range(_SCRATCHES)]
         self._turn = 0  # the scratch this replay cuts from
         self._carved = 0
