@@ -116,6 +116,41 @@ def test_batched_program_spans_invokes_admitted_in_different_steps(chunked, orac
                 tr.invoke(ids, program=uses_step)
 
 
+def test_patching_across_invokes_in_a_trace_larger_than_a_step(chunked, oracles):
+    """Six 10-token program invokes under a 32-token budget: the scheduler lets the first step's
+    worth go on before the last ones arrive (workers/scheduler.py), and invokes 0 and 1 still share
+    their step, so 1 patches 0's residual in; the rest run in later steps."""
+    oracle = oracles["tiny-llama"]
+    prompts = [oracle.ids(f"Prompt number {i} talks about steering vectors and residual streams")[:10]
+               for i in range(6)]
+    pos = 7
+
+    def send_clean(m):
+        m.send("clean", m.layers[1].resid.clone())
+
+    def patch(m):
+        m.layers[1].resid[pos] = m.recv("clean")[pos]
+        m.save("logits", m.logits)
+
+    def keep(m):
+        m.save("logits", m.logits)
+
+    with chunked.trace(max_tokens=1) as tr:
+        for i, ids in enumerate(prompts):
+            tr.invoke(ids, program={0: send_clean, 1: patch}.get(i, keep))
+    clean_resid = oracle.run(prompts[0])["resid"][1]
+
+    def hf_patch(out):
+        out = out.clone()
+        out[0, pos] = clean_resid[pos]
+        return out
+
+    expected = oracle.run(prompts[1], hooks={oracle.layers[1]: hf_patch})["logits"][-1]
+    torch.testing.assert_close(tr.result[1].saves["logits"][0], expected, atol=ATOL, rtol=ATOL)
+    for ids, result in zip(prompts[2:], tr.result[2:]):
+        torch.testing.assert_close(result.saves["logits"][-1], oracle.run(ids)["logits"][-1], atol=ATOL, rtol=ATOL)
+
+
 def test_ops_at_taps_stay_exact_when_prefill_is_chunked(chunked, oracles, long_ids):
     """A 100-token prompt in chunks of at most 32 tokens, beside a short prompt, every op at a
     tap: each step's rows are set from that step's chunk (transformers on the whole sequence is

@@ -3,9 +3,13 @@
 vLLM's engine core starts a step as soon as the first request arrives, so the invokes of one trace
 could otherwise land in different steps, and a program that patches invoke 0's activations into
 invoke 1 "in the same forward pass" would find nothing to patch. This scheduler (runs in the engine
-core process) holds each intervened request until every intervened invoke of its trace has arrived,
-then queues them together in invoke order: they share a step whenever the token budget allows
-(``max_num_batched_tokens``, ``max_num_seqs``). Plain requests pass straight through.
+core process) holds each intervened request of a trace with programs until every intervened
+invoke of the trace has arrived, then queues them together in invoke order: they share a step whenever the token budget allows
+(``max_num_batched_tokens``, ``max_num_seqs``). Held requests that already fill a step's budget go
+on at once, as a group: the ones behind them could not have joined their step anyway, and holding
+a large trace until its last request arrives would leave the GPU idle while the driver adds them
+(vLLM starts plain requests as they come). The requests of a trace with only declarative ops,
+which reach no other invoke, and plain requests pass straight through.
 
 It also keeps whole the prompts of requests whose program runs at step 0 (a program sees the
 whole prompt at once): while such a request waits, chunked prefill is off for that scheduling
@@ -48,7 +52,8 @@ from __future__ import annotations
 
 import operator
 
-GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, intervened invokes]
+GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, gang size] on every intervened request
+# (the gang: the intervened invokes of a trace with a program; 1 in a trace of ops, which waits for nobody)
 WHOLE_PROMPT_KEY = "interlace_whole_prompt"  # extra_args[WHOLE_PROMPT_KEY] = True: do not split
 PROGRAM_KEY = "interlace_program"  # extra_args[PROGRAM_KEY] = True: a program runs (preempt it last)
 # SchedulerOutput attribute: {request id: output tokens} of intervened requests finished since the
@@ -66,7 +71,7 @@ class GangAdmission:
     def _interlace_start(self, vllm_config=None) -> None:
         """interlace's state beside vLLM's, once vLLM's scheduler is built (``vllm_config`` None:
         nothing known of the model or the cache; every program request logs)."""
-        self._interlace_held = {}
+        self._interlace_held: dict[str, _Held] = {}  # by trace
         self._interlace_whole_waiting = False  # a request that needs its prompt whole may wait
         self._interlace_programs = set()  # live requests with a program, by id: preempted last
         self._interlace_counts = {}  # finished intervened requests' output tokens, for the next step
@@ -146,27 +151,40 @@ class GangAdmission:
 
     def add_request(self, request) -> None:
         gang = _gang(request)
-        if gang is None or request.request_id in self.requests:
+        if gang is None or gang[2] <= 1 or request.request_id in self.requests:
             return self._interlace_enqueue(request)
         trace, _index, size = gang
-        held = self._interlace_held.setdefault(trace, [])
-        held.append(request)
-        if len(held) == size:
-            self._interlace_release(trace)
+        held = self._interlace_held.get(trace)
+        if held is None:
+            held = self._interlace_held[trace] = _Held()
+        held.arrived += 1
+        if held.open:  # a partner was aborted: the rest go on as they come
+            self._interlace_enqueue(request)
+        else:
+            held.requests.append(request)
+            held.tokens += request.num_tokens
+        config = self.scheduler_config
+        if held.arrived == size:
+            del self._interlace_held[trace]
+            self._interlace_release(held)
+        elif held.tokens >= config.max_num_batched_tokens or len(held.requests) >= config.max_num_seqs:
+            self._interlace_release(held)  # a step's worth: the rest could not join its step
 
     def finish_requests(self, request_ids, finished_status):
         # An aborted request of an incomplete gang would hold the others forever: release them
-        # (they run without their partner) and drop the aborted one.
+        # (they run without their partner), drop the aborted one, and let later ones through.
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids or ())
-        for trace, held in list(self._interlace_held.items()):
-            if any(r.request_id in ids for r in held):
-                self._interlace_held[trace] = [r for r in held if r.request_id not in ids]
-                self._interlace_release(trace)
+        for held in self._interlace_held.values():
+            if any(r.request_id in ids for r in held.requests):
+                held.requests = [r for r in held.requests if r.request_id not in ids]
+                held.open = True
+                self._interlace_release(held)
         return super().finish_requests(request_ids, finished_status)
 
-    def _interlace_release(self, trace: str) -> None:
-        for request in sorted(self._interlace_held.pop(trace, []), key=lambda r: _gang(r)[1]):
+    def _interlace_release(self, held: "_Held") -> None:
+        for request in sorted(held.requests, key=lambda r: _gang(r)[1]):
             self._interlace_enqueue(request)
+        held.requests, held.tokens = [], 0
 
     def _interlace_enqueue(self, request) -> None:
         """Hand ``request`` to vLLM's waiting queue (every request comes this way: its marks,
@@ -205,6 +223,18 @@ def _never_preempted_rule(scheduler, vllm_config) -> tuple[int, int, int] | None
     # a block of vLLM's own (the null block) is never given; two blocks of room past the largest
     # size cover async scheduling's placeholder token and a partly filled last block
     return blocks - 1, 2 * scheduler.block_size + lookahead, vllm_config.model_config.max_model_len
+
+
+class _Held:
+    """A gang's requests waiting for their partners."""
+
+    __slots__ = ("arrived", "requests", "tokens", "open")
+
+    def __init__(self):
+        self.arrived = 0  # of the gang's requests, held or gone on
+        self.requests: list = []  # held, in arrival order
+        self.tokens = 0  # their prompt tokens
+        self.open = False  # a partner was aborted: hold no more
 
 
 _PLAIN = operator.attrgetter("interlace_plain")  # requests without a program sort first: preempted last
