@@ -34,10 +34,7 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
     # Only the final output is read: an async engine (a replica) otherwise builds and yields every
     # request's output at every step (vllm.LLM sets this itself).
     settings = {"output_kind": RequestOutputKind.FINAL_ONLY, **settings}
-    # The gang that enters vLLM's scheduler together (workers/scheduler.py): a trace's intervened
-    # invokes when one has a program (it may reach the others); with only ops, none waits.
-    intervened = [p for p in payloads if p is not None]
-    gang_size = len(intervened) if any(p.program is not None for p in intervened) else 1
+    gang_size = sum(p is not None for p in payloads)  # enter vLLM's scheduler together (workers/scheduler.py)
     requests, params = [], []
     for text_or_ids, payload in zip(prompts, payloads):
         prompt: dict = {"prompt": text_or_ids} if isinstance(text_or_ids, str) else {"prompt_token_ids": list(text_or_ids)}

@@ -1,9 +1,8 @@
 """Gang admission in vLLM's own scheduler (workers/scheduler.py), on its own, with no engine.
 
-The intervened requests of a trace with programs wait for each other, so that they share a step
-when the token budget allows; a step's worth of them goes on at once (holding more buys nothing
-and leaves the engine idle while the driver adds the rest); a trace with only declarative ops
-waits for nobody. The
+A trace's intervened requests wait for each other, so that they share a step when the token
+budget allows; a step's worth of them goes on at once (holding more buys nothing and leaves the
+engine idle while the driver adds the rest). The
 engine-level checks (patching across invokes, batched programs over many steps) are in
 tests/test_interventions.py and tests/test_chunked_prefill.py.
 """
@@ -71,10 +70,10 @@ def test_held_requests_enter_in_invoke_order(scheduler):
 
 
 def test_a_gang_of_one_and_plain_requests_wait_for_nobody(scheduler):
-    scheduler.add_request(request(0, gang=3))  # a program: waits for the other two
-    scheduler.add_request(request(0, gang=1, program=False, trace="ops"))  # a trace of declarative ops
+    scheduler.add_request(request(0, gang=3))  # waits for the other two
+    scheduler.add_request(request(0, gang=1, program=False, trace="one"))  # a one-invoke trace of ops
     scheduler.add_request(request(0, gang=None, program=False, trace="plain"))  # a plain request
-    assert waiting(scheduler) == ["ops-0", "plain-0"]
+    assert waiting(scheduler) == ["one-0", "plain-0"]
 
 
 def test_an_aborted_partner_lets_the_others_go(scheduler):
@@ -88,7 +87,7 @@ def test_an_aborted_partner_lets_the_others_go(scheduler):
     assert waiting(scheduler) == ["t-1", "t-2"]
 
 
-def test_a_trace_with_a_program_gangs_its_intervened_invokes_and_one_of_ops_none():
+def test_a_trace_gangs_its_intervened_invokes():
     from interlace import ops
     from interlace.cluster.assembly import build_requests
     from interlace.core.trace import Invoke, encode_payloads
@@ -96,12 +95,7 @@ def test_a_trace_with_a_program_gangs_its_intervened_invokes_and_one_of_ops_none
     def program(m):
         m.save("x", m.layers[0].resid)
 
-    invokes = [Invoke([5, 6], program=program), Invoke([5, 7], ops=[ops.zero("layers.0.resid")]), Invoke([5, 8]),
-               Invoke([5, 9], program=program)]
+    invokes = [Invoke([5, 6], program=program), Invoke([5, 7], ops=[ops.zero("layers.0.resid")]), Invoke([5, 8])]
     payloads = encode_payloads(invokes, "t", "dir:/tmp", 10.0, 1 << 20)
     _prompts, params = build_requests([inv.prompt for inv in invokes], payloads, {"max_tokens": 1}, "t")
-    gangs = [(p.extra_args or {}).get(GANG_KEY) for p in params]
-    assert gangs == [["t", 0, 3], ["t", 1, 3], None, ["t", 3, 3]]
-    payloads = encode_payloads(invokes[1:3], "u", "dir:/tmp", 10.0, 1 << 20)
-    _prompts, params = build_requests([inv.prompt for inv in invokes[1:3]], payloads, {"max_tokens": 1}, "u")
-    assert [(p.extra_args or {}).get(GANG_KEY) for p in params] == [["u", 0, 1], None]  # ops: waits for nobody
+    assert [(p.extra_args or {}).get(GANG_KEY) for p in params] == [["t", 0, 2], ["t", 1, 2], None]  # plain: none

@@ -3,13 +3,14 @@
 vLLM's engine core starts a step as soon as the first request arrives, so the invokes of one trace
 could otherwise land in different steps, and a program that patches invoke 0's activations into
 invoke 1 "in the same forward pass" would find nothing to patch. This scheduler (runs in the engine
-core process) holds each intervened request of a trace with programs until every intervened
-invoke of the trace has arrived, then queues them together in invoke order: they share a step whenever the token budget allows
+core process) holds each intervened request until every intervened invoke of its trace has arrived,
+then queues them together in invoke order: they share a step whenever the token budget allows
 (``max_num_batched_tokens``, ``max_num_seqs``). Held requests that already fill a step's budget go
 on at once, as a group: the ones behind them could not have joined their step anyway, and holding
-a large trace until its last request arrives would leave the GPU idle while the driver adds them
-(vLLM starts plain requests as they come). The requests of a trace with only declarative ops,
-which reach no other invoke, and plain requests pass straight through.
+a large trace until its last request arrives left the GPU idle while the driver added them (plain
+vLLM starts on requests as they come). A trace that fits one step still runs as one batch, the
+same one every time it runs (vLLM's results depend on the batch a request shares, in the last
+bits). Plain requests pass straight through.
 
 It also keeps whole the prompts of requests whose program runs at step 0 (a program sees the
 whole prompt at once): while such a request waits, chunked prefill is off for that scheduling
@@ -52,8 +53,7 @@ from __future__ import annotations
 
 import operator
 
-GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, gang size] on every intervened request
-# (the gang: the intervened invokes of a trace with a program; 1 in a trace of ops, which waits for nobody)
+GANG_KEY = "interlace_gang"  # extra_args[GANG_KEY] = [trace id, invoke index, intervened invokes]
 WHOLE_PROMPT_KEY = "interlace_whole_prompt"  # extra_args[WHOLE_PROMPT_KEY] = True: do not split
 PROGRAM_KEY = "interlace_program"  # extra_args[PROGRAM_KEY] = True: a program runs (preempt it last)
 # SchedulerOutput attribute: {request id: output tokens} of intervened requests finished since the
