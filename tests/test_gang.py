@@ -99,3 +99,16 @@ def test_a_trace_gangs_its_intervened_invokes():
     payloads = encode_payloads(invokes, "t", "dir:/tmp", 10.0, 1 << 20)
     _prompts, params = build_requests([inv.prompt for inv in invokes], payloads, {"max_tokens": 1}, "t")
     assert [(p.extra_args or {}).get(GANG_KEY) for p in params] == [["t", 0, 2], ["t", 1, 2], None]  # plain: none
+
+
+def test_a_program_prompt_is_kept_whole_only_until_it_is_first_scheduled(scheduler):
+    """Recomputed after a preemption, a program request's rows are replayed from its write log:
+    it may be split then, and does not keep chunked prefill off for the requests behind it."""
+    scheduler.add_request(request(0, gang=1))
+    assert scheduler._interlace_keep_whole()  # its program has not seen its prompt yet
+    step = scheduler.schedule()
+    assert [r.req_id for r in step.scheduled_new_reqs] == ["t-0"]
+    preempted = scheduler.requests["t-0"]
+    scheduler.running.remove(preempted)  # as vLLM preempts it: back to the front of the queue
+    scheduler.waiting.prepend_request(preempted)
+    assert not scheduler._interlace_keep_whole()

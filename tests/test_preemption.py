@@ -43,6 +43,20 @@ def small_cache():
     model.close()
 
 
+@pytest.fixture(scope="module")
+def split_cache():
+    """The small cache with steps of 112 tokens at most and no prefix cache: a 100-token prompt
+    still fits one step whole (as a program's must at step 0), while a recomputation after a
+    preemption (the prompt and the tokens so far, up to 163) is split across steps, its earlier
+    chunks only replayed. (With the prefix cache a resumed request reads most of its blocks back
+    and recomputes a few tokens; counted once by hand, this test's trace splits 23 recomputations.)"""
+    cfg = interlace.Model("tiny-llama").config.model_copy(update={"kv_cache_bytes": 5 * 256 * 1024})
+    model = interlace.Model(cfg, max_num_batched_tokens=112, enable_prefix_caching=False)
+    model.engine
+    yield model
+    model.close()
+
+
 def replays(target) -> int:
     """Chunks recomputed after a preemption and replayed, over the ranks of a Model's engine or of
     every replica of a Cluster."""
@@ -158,6 +172,10 @@ def check_messages(small, ample, ids: list[int]) -> None:
 
 def test_preempted_programs_replay_their_writes_and_match_an_ample_cache(small_cache, llama, oracles):
     check_steering(small_cache, llama, _ids(oracles))
+
+
+def test_a_preempted_program_recomputed_in_chunks_replays_the_earlier_ones(split_cache, llama, oracles):
+    check_steering(split_cache, llama, _ids(oracles))
 
 
 def test_a_preempted_batched_program_replays_each_invokes_writes(small_cache, llama, oracles):

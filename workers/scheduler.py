@@ -13,8 +13,9 @@ same one every time it runs (vLLM's results depend on the batch a request shares
 bits). Plain requests pass straight through.
 
 It also keeps whole the prompts of requests whose program runs at step 0 (a program sees the
-whole prompt at once): while such a request waits, chunked prefill is off for that scheduling
-pass, so a prompt that does not fit the step's remaining token budget waits for the next step
+whole prompt at once; only the first time: recomputed after a preemption, its rows are replayed
+from the write log and may be split): while such a request waits, chunked prefill is off for that
+scheduling pass, so a prompt that does not fit the step's remaining token budget waits for the next step
 instead of being split. This is skipped while any waiting prompt exceeds the whole budget (it
 could never be admitted unsplit and would block the queue); a program prompt that is split
 anyway fails with a message naming the fix.
@@ -101,6 +102,14 @@ class GangAdmission:
         the last step (their ids are in its ``finished_req_ids``, or, freed during this very
         pass, in the next one's: the workers keep counts until the id finishes), and the program
         requests first scheduled now that need no write log."""
+        if self._interlace_whole_waiting:
+            for new in output.scheduled_new_reqs:
+                # Its program saw the prompt whole now. Recomputed after a preemption, its rows are
+                # replayed from the write log, so it may be split then, as vLLM splits any other
+                # recompute: held whole, it could stall the queue behind it for want of room.
+                request = self.requests.get(new.req_id)
+                if request is not None:
+                    request.interlace_whole = False
         if self._interlace_undecided and output.scheduled_new_reqs:
             setattr(output, UNLOGGED, self._interlace_never_preempted(output))
         if self._interlace_counts:
