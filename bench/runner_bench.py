@@ -11,6 +11,8 @@ programs between their pieces, workers/taps.py and workers/graphs.py). Cases:
     prog-save4       the same as a batched Python program
     prog-steer1      the same as a batched Python program
     prog-steer1-each the steering program unbatched: one program call per invoke per step
+    ops-save4-unheld ops-save4 with gang admission off (its requests enter vLLM's scheduler as they
+                     come): what holding a trace a step's budget at a time costs (diagnostic)
 
 Both engines stay up side by side (a plain ``vllm.LLM`` and an interlace model with the same
 settings); every timed interlace run is paired with a plain run right before or after it (the
@@ -137,6 +139,8 @@ def interlace_cases(hidden: int, layers: int):
         "prog-steer1-each": {"program": steer1_each},
         "prog-read1-each": {"program": read1_each},
         "prog-noop-each": {"program": noop_each},
+        "ops-save4-unheld": {"ops": [ops.save(f"layers.{layer}.resid", tokens="last") for layer in save_layers],
+                             UNHELD: True},
     }
 
 
@@ -157,14 +161,46 @@ def paired(round_: int, plain: Callable[[], tuple], others: list[Callable[[], tu
     return (first if first is not None else plain()), results
 
 
+UNHELD = "unheld"  # a case's key: its requests skip gang admission (see ungang)
+
+
 def run_interlace(model, data, out: int, case: dict) -> tuple[float, int, float]:
+    case = dict(case)
+    unheld = case.pop(UNHELD, False)
     started = time.perf_counter()
-    with model.trace(max_tokens=out, ignore_eos=True, timeout_s=3600) as tr:
+    with ungang(unheld), model.trace(max_tokens=out, ignore_eos=True, timeout_s=3600) as tr:
         for p in data:
             tr.invoke(p, **case)
     seconds = time.perf_counter() - started
     saved = sum(v.numel() * v.element_size() for r in tr.result for v in r.saves.values())
     return seconds, sum(len(r.token_ids) for r in tr.result), saved / 2**20
+
+
+@contextlib.contextmanager
+def ungang(on: bool):
+    """While on, the driver's requests carry a gang of one, which vLLM's scheduler passes straight
+    through (workers/scheduler.py): a diagnostic of what holding a trace costs, not a setting."""
+    if not on:
+        yield
+        return
+    from interlace import model as driver_model
+    from interlace.workers.scheduler import GANG_KEY
+
+    build = driver_model.build_requests
+
+    def one_gang(*args, **kwargs):
+        prompts, params = build(*args, **kwargs)
+        for param in params:
+            if param.extra_args and GANG_KEY in param.extra_args:
+                trace, invoke, _size = param.extra_args[GANG_KEY]
+                param.extra_args[GANG_KEY] = [trace, invoke, 1]
+        return prompts, params
+
+    driver_model.build_requests = one_gang
+    try:
+        yield
+    finally:
+        driver_model.build_requests = build
 
 
 def kv_clear_cost(args) -> None:
