@@ -15,8 +15,8 @@ bits). Plain requests pass straight through.
 It also keeps whole the prompts of requests whose program runs at step 0 (a program sees the
 whole prompt at once; only the first time: recomputed after a preemption, its rows are replayed
 from the write log and may be split): while such a request waits, chunked prefill is off for that
-scheduling pass, so a prompt that does not fit the step's remaining token budget waits for the next step
-instead of being split. This is skipped while any waiting prompt exceeds the whole budget (it
+scheduling pass, so a prompt that does not fit the step's remaining token budget waits for the
+next step instead of being split. This is skipped while any waiting prompt exceeds the whole budget (it
 could never be admitted unsplit and would block the queue); a program prompt that is split
 anyway fails with a message naming the fix.
 
@@ -90,21 +90,22 @@ class GangAdmission:
             self.running.sort(key=_PLAIN)
         config = self.scheduler_config
         if not config.enable_chunked_prefill or not self._interlace_keep_whole():
-            return self._interlace_with_counts(super().schedule(*args, **kwargs))
+            return self._interlace_after(super().schedule(*args, **kwargs))
         config.enable_chunked_prefill = False  # read by vLLM only while admitting waiting requests
         try:
-            return self._interlace_with_counts(super().schedule(*args, **kwargs))
+            return self._interlace_after(super().schedule(*args, **kwargs))
         finally:
             config.enable_chunked_prefill = True
 
-    def _interlace_with_counts(self, output):
-        """``output`` carrying the output token counts of the intervened requests freed since
-        the last step (their ids are in its ``finished_req_ids``, or, freed during this very
-        pass, in the next one's: the workers keep counts until the id finishes), and the program
-        requests first scheduled now that need no write log."""
+    def _interlace_after(self, output):
+        """After vLLM's pass: ``output`` carrying the output token counts of the intervened
+        requests freed since the last step (their ids are in its ``finished_req_ids``, or, freed
+        during this very pass, in the next one's: the workers keep counts until the id finishes)
+        and the program requests first scheduled now that need no write log; and the prompts
+        first scheduled now no longer kept whole."""
         if self._interlace_whole_waiting:
             for new in output.scheduled_new_reqs:
-                # Its program saw the prompt whole now. Recomputed after a preemption, its rows are
+                # Its program sees the prompt whole now. Recomputed after a preemption, its rows are
                 # replayed from the write log, so it may be split then, as vLLM splits any other
                 # recompute: held whole, it could stall the queue behind it for want of room.
                 request = self.requests.get(new.req_id)
