@@ -215,12 +215,14 @@ class PointDispatcher:
         if ctx.holds.late:
             self.refuse_late_edits(call, ctx)
         point = call.waiting_for
-        if not call.done and point.module != MAILBOX and not point.kind.startswith("param:") \
-                and self.stages.where(point) == HERE:
+        if point is ctx.wanted or call.done:  # hooked for these invokes already, this epoch (a context lives that long)
+            return
+        if point.module != MAILBOX and not point.kind.startswith("param:") and self.stages.where(point) == HERE:
             self.hooks.want(point, owner=ctx.invokes[0].req_id)
             if self.at_taps is not None and not self.at_taps(point):
                 for state in ctx.invokes:  # its steps run eager from now on (Interleaver.runs_between_pieces)
                     state.off_taps = True
+        ctx.wanted = point
 
     def _write_back(self, call: ProgramCall, ctx: CallContext) -> None:
         """After the program ran: write what it changed of the values whose hook runs now, its

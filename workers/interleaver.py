@@ -347,6 +347,20 @@ class Interleaver(ProgramServices):
         mail = carry_in.pop(MAILBOX, None)  # sent on earlier stages: a receiver may wait for it here
         if mail is not None:
             self.step.mailbox.update({(trace, name): value for trace, name, value in mail.values})
+        calls = memo.get("calls") if not carry_in and groups is memo.get("groups") else None
+        if calls is not None:
+            self._again(calls, memo)
+        else:
+            self._build_calls(groups, carry_in, memo)
+        for call, ctx in self.step.calls:
+            call.start()
+            self.dispatcher.after_resume(call, ctx)
+            self.dispatcher.pump(self.step)
+        self.dispatcher.settle(self.step)
+
+    def _build_calls(self, groups: dict, carry_in: dict, memo: dict) -> None:
+        """A call per group, in invoke order; kept for the epoch's next steps where they can be
+        reused (no carry from an earlier pipeline stage, the same groups: see _again)."""
         for group_key, members in groups.items():
             carried = carry_in.get(group_key)
             if carried is not None and carried.status != "suspended":
@@ -368,11 +382,18 @@ class Interleaver(ProgramServices):
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
-        for call, ctx in self.step.calls:
-            call.start()
-            self.dispatcher.after_resume(call, ctx)
-            self.dispatcher.pump(self.step)
-        self.dispatcher.settle(self.step)
+        if not carry_in and groups and groups is memo.get("groups"):
+            memo["calls"] = list(self.step.calls)
+            memo["call slots"] = np.fromiter((ctx.members.slots[0] for _call, ctx in self.step.calls), np.int64)
+
+    def _again(self, calls: list, memo: dict) -> None:
+        """The epoch's calls one step on: the same programs over the same invokes and rows, each
+        call, context and view reset rather than built (ProgramCall.again)."""
+        budgets = self.slots.time_left[memo["call slots"]].tolist()
+        for (call, ctx), budget in zip(calls, budgets):
+            ctx.again(budget)
+            call.again(budget)
+        self.step.calls = list(calls)
 
     def _replays(self, scheduled) -> dict:
         """The logged program writes to put back on rows this step recomputes after a preemption,

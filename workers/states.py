@@ -141,6 +141,7 @@ class CallContext:
     services: "Interleaver"
     members: Scheduled  # the call's invokes, in invoke order
     timeout_s: float
+    wanted: ClassVar[Point | None] = None  # the point its program waited at last, hooked for its invokes (dispatch.after_resume)
 
     def __post_init__(self):
         self.invokes = self.members.states
@@ -159,6 +160,17 @@ class CallContext:
         self.held_saves: list = []
         self.held_bytes = 0
         self.save_room: int | None = None
+
+    def again(self, timeout_s: float) -> None:
+        """The same invokes in the same rows one step on (an epoch's next step, whose members
+        advanced in place: see StepScheduler.program_groups): per-step state starts afresh, and
+        what depends on the step is computed again when asked for."""
+        self.timeout_s = timeout_s
+        self.holds = Holdings()
+        self.held_saves, self.held_bytes, self.save_room = [], 0, None
+        cached = self.__dict__
+        for name in _PER_STEP:
+            cached.pop(name, None)
 
     # Built only when asked for (a sweep's call would otherwise build 256 of each per step, and a
     # program per invoke reads none of them on its usual path)
@@ -219,6 +231,9 @@ class CallContext:
         """"step 3", or "steps [2, 3]" for a batched call over invokes at different steps."""
         steps = sorted(set(self.steps))
         return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+
+
+_PER_STEP = ("logs", "steps", "positions")  # CallContext's cached values that change from step to step
 
 
 @dataclass

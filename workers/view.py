@@ -28,26 +28,36 @@ from interlace.workers.points import MAILBOX, Point
 class Node:
     """A module of the tree: read or write its ``output``, ``input`` or (for layers) ``resid``."""
 
-    __slots__ = ("_view", "_path")
+    __slots__ = ("_view", "_path", "_kids")
 
     def __init__(self, view: "ProgramView", path: str):
         object.__setattr__(self, "_view", view)
         object.__setattr__(self, "_path", path)
+        # Children made so far, by name or index: a view lives for an epoch's steps (ProgramCall.again)
+        # and a program walks the same few paths at each, so ``m.layers[3]`` is two lookups.
+        object.__setattr__(self, "_kids", {})
 
     def __getattr__(self, name: str) -> "Node | torch.Tensor":
         """A child module, or a parameter (``weight``, ``bias``) as the unsharded model has it."""
+        kid = self._kids.get(name)
+        if kid is not None:
+            return kid
         if name.startswith("__"):
             raise AttributeError(name)
         if self._view._is_parameter(self._path, name):
             return self._view._parameter(self._path, name)
-        return Node(self._view, self._view._resolve(f"{self._path}.{name}"))
+        kid = self._kids[name] = Node(self._view, self._view._resolve(f"{self._path}.{name}"))
+        return kid
 
     def __getitem__(self, index: int) -> "Node":
+        kid = self._kids.get(index) if type(index) is int else None
+        if kid is not None:
+            return kid
         if not isinstance(index, int):
             raise TypeError(f"module lists are indexed by int, not {type(index).__name__}")
-        if index < 0:
-            index += len(self._view._tree.children(self._path))
-        return Node(self._view, self._view._resolve(f"{self._path}.{index}"))
+        at = index + len(self._view._tree.children(self._path)) if index < 0 else index
+        kid = self._kids[index] = Node(self._view, self._view._resolve(f"{self._path}.{at}"))
+        return kid
 
     def __len__(self) -> int:
         return len(self._view._tree.children(self._path))
@@ -91,6 +101,11 @@ class ProgramView:
             _pending_write=None,  # (point, value) assigned since the last switch
             _call=None,
         )
+
+    def _bind(self, call) -> None:
+        """The call this view serves from now on: a new one each step (reused views: see
+        ProgramCall.again), None once the step is over."""
+        self.__dict__.update(_call=call, _current=None, _current_value=None, _pending_write=None)
 
     # --- step and batch facts -------------------------------------------------------------------
 
@@ -186,7 +201,9 @@ class ProgramView:
             raise AttributeError(name)
         if name in self._NAMED:
             return self._read(self._tree.point(name))
-        return Node(self, self._resolve(name))
+        node = Node(self, self._resolve(name))
+        self.__dict__[name] = node  # found directly from now on (for the view's life: see Node)
+        return node
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in self._NAMED:
