@@ -133,6 +133,7 @@ class ProgramCall:
         # Registered with the watchdog: set and cleared by it under its lock, read without (only
         # this call's own thread registers it), so a switch pays one locked leave, not two.
         self.watched = False
+        self.deadline = 0.0  # when the watchdog interrupts it (set as it enters)
         self._greenlet: greenlet.greenlet | None = None  # the worker running the program, from start to its end
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
 
@@ -229,7 +230,7 @@ class ProgramCall:
         a program per invoke (256 invokes x 32 steps, tiny model, 2-core CPU, bench/step_probe.py)
         the collections took 12 ms a step (full ones of 110-125 ms), and 3 ms once released.
         A program that keeps ``m`` past its step finds it unbound."""
-        object.__setattr__(self.view, "_call", None)
+        self.view.__dict__["_call"] = None
         self._greenlet = None
 
     def time_out(self) -> None:
@@ -395,13 +396,22 @@ class Watchdog:
     def __init__(self, period: float = 0.05):
         self.period = period
         self._lock = threading.Lock()
-        self._running: dict[int, tuple[ProgramCall, float]] = {}  # thread id -> its program, deadline
+        # thread id -> the program it runs or ran last (None once it left). A thread's key stays
+        # once made, so :meth:`enter` replaces a value without the lock: the loop, which holds it,
+        # never sees the dict change size. That lock is what the interruption's landing needs
+        # (the program cannot leave while the loop decides), and a switch pays one, in leave.
+        self._running: dict[int, ProgramCall | None] = {}
         self._thread: threading.Thread | None = None
 
     def enter(self, call: ProgramCall, deadline: float) -> None:
-        with self._lock:
-            self._running[threading.get_ident()] = (call, deadline)
-            call.watched = True
+        call.deadline = deadline
+        call.watched = True
+        thread = threading.get_ident()
+        if thread in self._running:
+            self._running[thread] = call
+            return
+        with self._lock:  # this thread's first program: a new key
+            self._running[thread] = call
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="interlace-watchdog")
                 self._thread.start()
@@ -410,8 +420,8 @@ class Watchdog:
         thread = threading.get_ident()
         with self._lock:
             call.watched = False
-            if self._running.get(thread, (None,))[0] is call:
-                del self._running[thread]
+            if self._running.get(thread) is call:
+                self._running[thread] = None
                 if call.timed_out:
                     _raise_in(thread, None)  # nothing pending once the program is out
 
@@ -420,10 +430,12 @@ class Watchdog:
             time.sleep(self.period)
             now = time.monotonic()
             with self._lock:
-                for thread, (call, deadline) in self._running.items():
-                    if now > deadline + GRACE_S and call.running:
-                        _end_process(call, now - deadline)
-                    if now > deadline and call.running:
+                for thread, call in self._running.items():
+                    if call is None:
+                        continue
+                    if now > call.deadline + GRACE_S and call.running:
+                        _end_process(call, now - call.deadline)
+                    if now > call.deadline and call.running:
                         call.timed_out = True
                         _raise_in(thread, ProgramError)
 

@@ -77,7 +77,8 @@ class PointDispatcher:
                     if call.waiting_for.module == module and call.waiting_for.kind in kinds:
                         delivered.append((call, ctx))
                         self._deliver(call, ctx, call.waiting_for, access)
-                        self.pump(step)
+                        if step.sent != step.pumped:
+                            self.pump(step)
                 self.settle(step)
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
             self._log_writes(delivered)
@@ -190,7 +191,7 @@ class PointDispatcher:
                     inv.fail(error_record(exc, where=where))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
-        split = self.tp.split(point.module, point.kind)
+        split = self.tp.split(point.module, point.kind) if self.tp.tp_size > 1 else None
         try:
             rows = ctx.request_rows if point.kind in ROW_PER_REQUEST_KINDS else ctx.token_rows
             value = access.read(point, rows)

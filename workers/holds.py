@@ -63,6 +63,17 @@ class Holdings:
         self.replayed: list[tuple[Point, Any]] = []  # replayed from an earlier pipeline stage
         self.after: dict[Point, Point | None] = {}  # point whose hook returned -> what the program waited for
 
+    def reset(self) -> None:
+        """Nothing held: the call's next step (CallContext.again). Most of these are empty by then."""
+        if self.live:
+            self.live.clear()
+        if self.late:
+            self.late.clear()
+        if self.replayed:
+            self.replayed.clear()
+        if self.after:
+            self.after.clear()
+
     def live_at(self, point: Point) -> Held | None:
         for held in reversed(self.live):
             if held.point is point or held.point == point:

@@ -352,11 +352,13 @@ class Interleaver(ProgramServices):
             self._again(calls, memo)
         else:
             self._build_calls(groups, carry_in, memo)
-        for call, ctx in self.step.calls:
+        step = self.step
+        for call, ctx in step.calls:
             call.start()
             self.dispatcher.after_resume(call, ctx)
-            self.dispatcher.pump(self.step)
-        self.dispatcher.settle(self.step)
+            if step.sent != step.pumped:  # a value was sent: a receiver may go on
+                self.dispatcher.pump(step)
+        self.dispatcher.settle(step)
 
     def _build_calls(self, groups: dict, carry_in: dict, memo: dict) -> None:
         """A call per group, in invoke order; kept for the epoch's next steps where they can be

@@ -166,8 +166,10 @@ class CallContext:
         advanced in place: see StepScheduler.program_groups): per-step state starts afresh, and
         what depends on the step is computed again when asked for."""
         self.timeout_s = timeout_s
-        self.holds = Holdings()
-        self.held_saves, self.held_bytes, self.save_room = [], 0, None
+        self.holds.reset()
+        if self.held_saves:  # flush_saves takes them (a step that failed may have left some)
+            self.held_saves = []
+        self.held_bytes, self.save_room = 0, None
         cached = self.__dict__
         for name in _PER_STEP:
             cached.pop(name, None)

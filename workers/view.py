@@ -65,20 +65,28 @@ class Node:
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in ("output", "input", "resid"):
             raise AttributeError(f"cannot set {name!r} on module {self._path!r}; set output, input or resid")
-        self._view._write(self._view._tree.at(self._path, name), value)
+        self._view._write(self._point(name, "." + name), value)
+
+    def _point(self, kind: str, key: str) -> Point:
+        """This module's point of ``kind``, kept with its children under ``key`` (".kind": no
+        child's name starts with a dot)."""
+        point = self._kids.get(key)
+        if point is None:
+            point = self._kids[key] = self._view._tree.at(self._path, kind)
+        return point
 
     @property
     def output(self) -> Any:
-        return self._view._read(self._view._tree.at(self._path, "output"))
+        return self._view._read(self._point("output", ".output"))
 
     @property
     def input(self) -> Any:
-        return self._view._read(self._view._tree.at(self._path, "input"))
+        return self._view._read(self._point("input", ".input"))
 
     @property
     def resid(self) -> torch.Tensor:
         """The residual stream after this decoder layer (vLLM's ``hidden + residual``)."""
-        return self._view._read(self._view._tree.at(self._path, "resid"))
+        return self._view._read(self._point("resid", ".resid"))
 
     def __repr__(self) -> str:
         return f"<module {self._path}>"
@@ -105,7 +113,9 @@ class ProgramView:
     def _bind(self, call) -> None:
         """The call this view serves from now on: a new one each step (reused views: see
         ProgramCall.again), None once the step is over."""
-        self.__dict__.update(_call=call, _current=None, _current_value=None, _pending_write=None)
+        held = self.__dict__
+        held["_call"] = call
+        held["_current"] = held["_current_value"] = held["_pending_write"] = None
 
     # --- step and batch facts -------------------------------------------------------------------
 
