@@ -235,7 +235,7 @@ class PointDispatcher:
                 if held.copy:
                     now = versions(held.value)
                     if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
-                        held.written = _local(held.split, held.value)
+                        held.written = held.value if held.split is None else _local(held.split, held.value)
                         held.access.write(held.point, held.rows, held.written)
                         held.versions = now
                         call.writes += 1
@@ -244,7 +244,7 @@ class PointDispatcher:
             if write is not None:
                 point, value = write
                 held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
-                local = _local(held.split, value)
+                local = value if held.split is None else _local(held.split, value)
                 if not (held is edited and value is held.value):  # ``m.x += v``: written back just now
                     held.access.write(point, held.rows, local)
                 # A tensor of the program's own may change without being written again: logged as
