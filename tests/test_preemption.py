@@ -105,8 +105,8 @@ def batched_steering():
     return program
 
 
-def check_steering(small, ample, ids: list[int], batched: bool = False) -> None:
-    """32 program invokes steering and saving at every step, 64 tokens each, on ``small`` (a KV
+def check_steering(small, ample, ids: list[int], batched: bool = False, count: int = 32) -> None:
+    """``count`` program invokes steering and saving at every step, 64 tokens each, on ``small`` (a KV
     cache that makes vLLM preempt them) and on ``ample`` (room for all): the same tokens and
     saves, every step saved once. Only invokes vLLM may preempt keep a write log: on ``small``
     most, but not the first (its largest size, 164 tokens and room to spare, fits the cache's
@@ -118,13 +118,13 @@ def check_steering(small, ample, ids: list[int], batched: bool = False) -> None:
     for name, model in (("small", small), ("ample", ample)):
         before, logs_before = replays(model), write_logs(model)
         with model.trace(max_tokens=64, ignore_eos=True) as tr:
-            for i in range(32):
+            for i in range(count):
                 tr.invoke(ids, program=together or steering(i))
         runs[name] = (tr.result, replays(model) - before,
                       tuple(now - then for now, then in zip(write_logs(model), logs_before)))
     assert runs["small"][1] > 0 and runs["ample"][1] == 0  # preempted under pressure only
     kept, skipped = runs["small"][2]
-    assert kept + skipped == 32 and kept > 0 and skipped > 0 and runs["ample"][2] == (0, 32)
+    assert kept + skipped == count and kept > 0 and skipped > 0 and runs["ample"][2] == (0, count)
     for got, want in zip(runs["small"][0], runs["ample"][0]):
         assert got.token_ids == want.token_ids
         assert got.saves["h"].shape == (len(ids) + 63, 128)  # every step saved once
