@@ -223,14 +223,16 @@ class ProgramCall:
             self._time_out()
 
     def release(self) -> None:
-        """The step is over: drop the links from the program's ``m`` back to this call and from
-        the call to its worker, so the call, its view, context and held values go when
-        the step does, by reference counting. Left
-        linked, every program call of every step was garbage only the collector could free: with
-        a program per invoke (256 invokes x 32 steps, tiny model, 2-core CPU, bench/step_probe.py)
-        the collections took 12 ms a step (full ones of 110-125 ms), and 3 ms once released.
-        A program that keeps ``m`` past its step finds it unbound."""
-        self.view.__dict__["_call"] = None
+        """The step is over: drop the links from the program's ``m`` back to this call and to the
+        value it read last, and from the call to its worker, so that what the step held goes by
+        reference counting when the step's epoch does (the interleaver keeps an epoch's calls
+        to reuse them: ProgramCall.again). Left linked, every program call of every step was
+        garbage only the collector could free: with a program per invoke (256 invokes x 32 steps,
+        tiny model, 2-core CPU, bench/step_probe.py) the collections took 12 ms a step (full ones
+        of 110-125 ms), and 3 ms once released. A program that keeps ``m`` past its step finds it
+        unbound until the view serves its invoke's next step."""
+        held = self.view.__dict__
+        held["_call"] = held["_current"] = held["_current_value"] = held["_pending_write"] = None
         self._greenlet = None
 
     def time_out(self) -> None:
