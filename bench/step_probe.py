@@ -355,18 +355,21 @@ def install_probes() -> None:
     timed(calls.ProgramCall, "_switch_in", "engine runs programs (greenlets)", debug_sync=False)
     if os.environ.get("PROBE_FINE"):  # a program per invoke's path, part by part (each timer adds ~0.5 us)
         from interlace.workers import holds, points, states, view
-        timed(dispatch.PointDispatcher, "_deliver", "    hooks: deliver (read, resume the program, write back)", debug_sync=False)
-        timed(dispatch.PointDispatcher, "after_resume", "      after_resume (write back, want the next point)", debug_sync=False)
-        timed(dispatch.PointDispatcher, "_write_back", "        _write_back", debug_sync=False)
-        timed(points.TapAccess, "read", "      TapAccess.read", debug_sync=False)
-        timed(points.PointAccess, "read", "      PointAccess.read", debug_sync=False)
-        timed(holds.Holdings, "close", "    hooks: holds.close", debug_sync=False)
-        timed(calls.ProgramCall, "start", "    begin_step: call.start (runs the program to its first wait)", debug_sync=False)
-        timed(calls.ProgramCall, "__init__", "    begin_step: ProgramCall()", debug_sync=False)
-        timed(states.CallContext, "__init__", "    begin_step: CallContext()", debug_sync=False)
-        timed(view.ProgramView, "__init__", "    begin_step: ProgramView()", debug_sync=False)
-        timed(dispatch.PointDispatcher, "close_calls", "    end_step: close_calls", debug_sync=False)
-        timed(calls.ProgramCall, "release", "    end_step: call.release", debug_sync=False)
+        for owner, name, label in (
+            (dispatch.PointDispatcher, "_deliver", "    hooks: deliver (read, resume the program, write back)"),
+            (dispatch.PointDispatcher, "after_resume", "      after_resume (write back, want the next point)"),
+            (dispatch.PointDispatcher, "_write_back", "        _write_back"),
+            (points.TapAccess, "read", "      TapAccess.read"),
+            (points.PointAccess, "read", "      PointAccess.read"),
+            (holds.Holdings, "close", "    hooks: holds.close"),
+            (calls.ProgramCall, "start", "    begin_step: call.start (runs the program to its first wait)"),
+            (calls.ProgramCall, "__init__", "    begin_step: ProgramCall()"),
+            (states.CallContext, "__init__", "    begin_step: CallContext()"),
+            (view.ProgramView, "__init__", "    begin_step: ProgramView()"),
+            (dispatch.PointDispatcher, "close_calls", "    end_step: close_calls"),
+            (calls.ProgramCall, "release", "    end_step: call.release"),
+        ):
+            timed(owner, name, label, debug_sync=False)
     probe_handoffs()
     timed(saves, "host_copy", "saves.host_copy")
     timed(saves.SaveLedger, "take", "reports: ledger.take")
