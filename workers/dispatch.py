@@ -77,8 +77,7 @@ class PointDispatcher:
                     if call.waiting_for.module == module and call.waiting_for.kind in kinds:
                         delivered.append((call, ctx))
                         self._deliver(call, ctx, call.waiting_for, access)
-                        if step.sent != step.pumped:
-                            self.pump(step)
+                        self.pump(step)
                 self.settle(step)
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
             self._log_writes(delivered)
@@ -191,7 +190,7 @@ class PointDispatcher:
                     inv.fail(error_record(exc, where=where))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
-        split = self.tp.split(point.module, point.kind) if self.tp.tp_size > 1 else None
+        split = self.tp.split(point.module, point.kind)
         try:
             rows = ctx.request_rows if point.kind in ROW_PER_REQUEST_KINDS else ctx.token_rows
             value = access.read(point, rows)
@@ -235,7 +234,7 @@ class PointDispatcher:
                 if held.copy:
                     now = versions(held.value)
                     if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
-                        held.written = held.value if held.split is None else _local(held.split, held.value)
+                        held.written = _local(held.split, held.value)
                         held.access.write(held.point, held.rows, held.written)
                         held.versions = now
                         call.writes += 1
@@ -244,7 +243,7 @@ class PointDispatcher:
             if write is not None:
                 point, value = write
                 held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
-                local = value if held.split is None else _local(held.split, value)
+                local = _local(held.split, value)
                 if not (held is edited and value is held.value):  # ``m.x += v``: written back just now
                     held.access.write(point, held.rows, local)
                 # A tensor of the program's own may change without being written again: logged as

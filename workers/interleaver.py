@@ -356,8 +356,7 @@ class Interleaver(ProgramServices):
         for call, ctx in step.calls:
             call.start()
             self.dispatcher.after_resume(call, ctx)
-            if step.sent != step.pumped:  # a value was sent: a receiver may go on
-                self.dispatcher.pump(step)
+            self.dispatcher.pump(step)
         self.dispatcher.settle(step)
 
     def _build_calls(self, groups: dict, carry_in: dict, memo: dict) -> None:

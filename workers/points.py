@@ -308,10 +308,9 @@ class TapAccess(PointAccess):
         super().__init__(hooked, layout)
         self._copy: torch.Tensor | None = None
         self._written = 0  # the copy's version when it was last written back
-        self._one_output = isinstance(hooked, torch.Tensor)  # a block's output (else a layer's pair)
 
     def _shared(self, point: Point) -> bool:
-        return point.kind == "resid" or (point.kind == "output" and self._one_output)
+        return point.kind == "resid" or (point.kind == "output" and isinstance(self.hooked, torch.Tensor))
 
     def _own(self, point: Point) -> torch.Tensor:
         if self._copy is None:
@@ -332,16 +331,14 @@ class TapAccess(PointAccess):
                 return _map(super().read(point, rows), lambda t, _d: t.clone(), self.layout.num_tokens, point.kind)
         # A view of the copy (a normal tensor) is normal in inference mode too, and its version
         # counter shows edits: no inference_mode(False) around it (5 us a read on an H200 host)
-        copy = self._copy if self._copy is not None else self._own(point)
-        index = rows.index
-        return copy[index] if type(index) is slice else rows.take(copy, 0)  # a read per program per invoke
+        return rows.take(self._own(point), 0)
 
     def write(self, point: Point, rows: Rows, value: Any) -> None:
         if not self._shared(point):
             self._give_back()
             self._copy = None  # later reads copy the value as written
             return super().write(point, rows, value)
-        copy = self._copy if self._copy is not None else self._own(point)
+        copy = self._own(point)
         if isinstance(value, torch.Tensor) and value._base is copy:
             return  # a view of the copy, edited in place: there already
         rows.put(copy, 0, value)
