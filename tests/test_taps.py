@@ -663,3 +663,21 @@ def test_a_save_limit_reached_in_tapped_saves_fails_as_on_the_hook_path(tapped, 
                 tr.invoke("One two three")
         outcomes.append((err.value.invoke, [r.token_ids for r in err.value.partial.invokes]))
     assert outcomes[0] == outcomes[1] and len(outcomes[0][1][2]) == 32
+
+
+def test_a_program_switched_into_at_a_tap_copies_none_of_the_engines_stack(tapped):
+    """A greenlet switch copies out whatever part of the C stack the greenlet switched to runs
+    over. Program greenlets start below every tap (calls._deep_switch), so at a tap the engine's
+    frames stay where they are: its greenlet has no stack saved while a program runs there (8.8 KB
+    with programs started where the step begins)."""
+    import greenlet
+
+    def program(m):
+        m.layers[1].resid += 0.0
+        m.save("engine_stack_saved", greenlet.getcurrent().parent._stack_saved)
+
+    with tapped.trace(max_tokens=3) as tr:
+        for _ in range(4):
+            tr.invoke("the quick brown fox", program)
+    for result in tr.result:
+        assert result.saves["engine_stack_saved"] == [0, 0, 0]
