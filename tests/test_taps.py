@@ -667,17 +667,30 @@ def test_a_save_limit_reached_in_tapped_saves_fails_as_on_the_hook_path(tapped, 
 
 def test_a_program_switched_into_at_a_tap_copies_none_of_the_engines_stack(tapped):
     """A greenlet switch copies out whatever part of the C stack the greenlet switched to runs
-    over. Program greenlets start below every tap (calls._deep_switch), so at a tap the engine's
-    frames stay where they are: its greenlet has no stack saved while a program runs there (8.8 KB
-    with programs started where the step begins)."""
+    over, and on Python 3.12 and later walks the whole Python frame chain of the greenlet it
+    leaves. Programs are switched into from a hub whose Python stack starts empty
+    (calls.run_shallow), not from the engine deep in the forward pass, and hub and programs start
+    below every tap (calls._deep_switch): at a tap no greenlet on the way has stack saved (8.8 KB
+    with programs started where the step begins), and the one a program leaves is a few frames
+    deep where the engine is dozens."""
     import greenlet
+
+    def depth(g):
+        frame, n = g.gr_frame, 0
+        while frame is not None:
+            frame, n = frame.f_back, n + 1
+        return n
 
     def program(m):
         m.layers[1].resid += 0.0
-        m.save("engine_stack_saved", greenlet.getcurrent().parent._stack_saved)
+        hub = greenlet.getcurrent().parent
+        m.save("stack_saved", [hub._stack_saved, hub.parent._stack_saved])
+        m.save("frames", [depth(hub), depth(hub.parent)])
 
     with tapped.trace(max_tokens=3) as tr:
         for _ in range(4):
             tr.invoke("the quick brown fox", program)
     for result in tr.result:
-        assert result.saves["engine_stack_saved"] == [0, 0, 0]
+        assert result.saves["stack_saved"] == [[0, 0]] * 3
+        for hub, engine in result.saves["frames"]:
+            assert hub < 12 < 30 < engine, (hub, engine)

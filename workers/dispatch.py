@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from interlace.workers.calls import ProgramCall, error_record
+from interlace.workers.calls import ProgramCall, error_record, run_shallow
 from interlace.workers.hooks import HookSet
 from interlace.workers.holds import Held, versions
 from interlace.workers.ops import StepOp, apply as apply_op
@@ -66,24 +66,30 @@ class PointDispatcher:
             self._apply_op(step, point, access, step_op)
         if step.replays:
             self._replay(step, module, family, access)
+        # (a finished call's FINISHED matches no module)
+        ready = [(c, x) for c, x in step.calls if c.waiting_for.module == module and c.waiting_for.kind in kinds]
+        if ready:
+            run_shallow(self._run_programs, step, module, kinds, access, ready)
+        return access.result()
+
+    def _run_programs(self, step: Step, module: str, kinds: tuple[str, ...], access: PointAccess,
+                      ready: list[tuple[ProgramCall, CallContext]]) -> None:
+        """Hand the hook's value to the ``ready`` programs waiting here, and to those it wakes,
+        until none can move (in the hub: calls.run_shallow)."""
         delivered: list[tuple[ProgramCall, CallContext]] = []
         try:
-            while step.calls:
-                # (a finished call's FINISHED matches no module)
-                ready = [(c, x) for c, x in step.calls if c.waiting_for.module == module and c.waiting_for.kind in kinds]
-                if not ready:
-                    break
+            while ready:
                 for call, ctx in ready:
                     if call.waiting_for.module == module and call.waiting_for.kind in kinds:
                         delivered.append((call, ctx))
                         self._deliver(call, ctx, call.waiting_for, access)
                         self.pump(step)
                 self.settle(step)
+                ready = [(c, x) for c, x in step.calls if c.waiting_for.module == module and c.waiting_for.kind in kinds]
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
             self._log_writes(delivered)
             for call, ctx in delivered:
                 ctx.holds.close(None if call.done else call.waiting_for, call.done)
-        return access.result()
 
     def _apply_op(self, step: Step, point: Point, access: PointAccess, step_op: StepOp) -> None:
         op = step_op.op

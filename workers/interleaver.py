@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from interlace.core import settings
-from interlace.workers.calls import ProgramCall, error_record
+from interlace.workers.calls import ProgramCall, error_record, run_shallow
 from interlace.workers.dispatch import PointDispatcher
 from interlace.workers.flight import entry_for
 from interlace.workers.hooks import HookSet, hook_of
@@ -352,7 +352,11 @@ class Interleaver(ProgramServices):
             self._again(calls, memo)
         else:
             self._build_calls(groups, carry_in, memo)
-        step = self.step
+        if self.step.calls:
+            run_shallow(self._start_calls, self.step)
+
+    def _start_calls(self, step: Step) -> None:
+        """Run each of the step's programs to its first wait (in the hub: calls.run_shallow)."""
         for call, ctx in step.calls:
             call.start()
             self.dispatcher.after_resume(call, ctx)
@@ -429,20 +433,10 @@ class Interleaver(ProgramServices):
             self.dispatcher.take_tapped(step.tapped, step.memo)
         if self.agree_max is not None and step.calls:
             agree_on_time(step, self.agree_max)
-        for call, ctx in step.calls:
-            if ctx.holds.late:  # a program stopped or suspended here may have edited one still
-                self.dispatcher.refuse_late_edits(call, ctx)
-            if not call.done and self._goes_on_later(call):
-                log = call.log
-                call.suspend()
-                step.carry[ctx.key] = Carried("suspended", log, points=call.log_points)
-            else:
-                if not call.done and call.waiting_for.module == MAILBOX:
-                    call.cancel(self._unsent(ctx, call.waiting_for.kind))
-                elif not call.done:
-                    call.cancel(self._unreached(call))
-                if not self.stages.last:
-                    step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
+        if any(not call.done for call, _ctx in step.calls):  # some switch into their programs
+            run_shallow(self._stop_calls, step)
+        else:
+            self._stop_calls(step)
         for call, ctx in step.calls:
             if ctx.held_saves:
                 try:
@@ -458,6 +452,25 @@ class Interleaver(ProgramServices):
             step.carry[MAILBOX] = Carried("mailbox", [(trace, name, value) for (trace, name), value in step.mailbox.items()])
         self.step = None
         return step.carry
+
+    def _stop_calls(self, step: Step) -> None:
+        """The step is over for its programs: suspend those whose next access a later pipeline
+        stage serves, cancel those waiting for what never came, and note what the next stage
+        needs of each (Carried)."""
+        for call, ctx in step.calls:
+            if ctx.holds.late:  # a program stopped or suspended here may have edited one still
+                self.dispatcher.refuse_late_edits(call, ctx)
+            if not call.done and self._goes_on_later(call):
+                log = call.log
+                call.suspend()
+                step.carry[ctx.key] = Carried("suspended", log, points=call.log_points)
+            else:
+                if not call.done and call.waiting_for.module == MAILBOX:
+                    call.cancel(self._unsent(ctx, call.waiting_for.kind))
+                elif not call.done:
+                    call.cancel(self._unreached(call))
+                if not self.stages.last:
+                    step.carry[ctx.key] = Carried("failed" if call.error else "finished", error=call.error)
 
     def _learned(self, ctx: CallContext) -> None:
         """A program ran a step eager: if it waited only at points served between graph pieces
