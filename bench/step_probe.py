@@ -8,7 +8,9 @@ mode, switched on only while interlace code runs), the usual reason a hook stall
 asynchronous scheduling.
 
 PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each check costs
-microseconds per call, which inflates the finer phases).
+microseconds per call, which inflates the finer phases). PROBE_FINE=1 times a program per invoke's
+path part by part; PROBE_NO_HUB=1 has the engine switch into programs itself instead of through
+the hub (calls.run_shallow), for an A/B.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
        [--graphs [--case-taps]] [--taps] [--kv-gib G] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
@@ -353,6 +355,9 @@ def install_probes() -> None:
     timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
     timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
     timed(calls.ProgramCall, "_switch_in", "engine runs programs (greenlets)", debug_sync=False)
+    if os.environ.get("PROBE_NO_HUB"):  # an A/B of calls.run_shallow: the engine switches into programs itself
+        for module in (dispatch, interleaver):
+            module.run_shallow = lambda fn, *args: fn(*args)
     if os.environ.get("PROBE_FINE"):  # a program per invoke's path, part by part (each timer adds ~0.5 us)
         from interlace.workers import holds, points, states, view
         for owner, name, label in (
