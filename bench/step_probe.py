@@ -9,7 +9,8 @@ asynchronous scheduling.
 
 PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each check costs
 microseconds per call, which inflates the finer phases). PROBE_FINE=1 times a program per invoke's
-path part by part; PROBE_NO_HUB=1 has the engine switch into programs itself instead of through
+path part by part, and prints how many Python frames deep the engine is where it hands programs
+to the hub (greenlet walks those at every switch on Python 3.12+); PROBE_NO_HUB=1 has the engine switch into programs itself instead of through
 the hub (calls.run_shallow), for an A/B.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
@@ -28,6 +29,7 @@ import collections
 import contextlib
 import functools
 import os
+import sys
 import time
 
 import shapes  # bench/, this script's folder
@@ -42,6 +44,7 @@ SYNCS: collections.Counter = collections.Counter()
 LAST_STEP_END = [None]  # when the interleaver last ended a step (the trace's last forward pass)
 SAVES_ON_HOST = [False]  # a case@host: the device room refuses every save
 PROFILE: list = [None]  # --profile: a cProfile.Profile enabled only inside the runner's steps
+DEPTHS: dict[str, int] = {}  # PROBE_FINE: the engine's frame depth where programs run (see _frames_at)
 EVENTS: list[tuple[str, float, float]] = []  # (label, start, end) of every timed call, for the tail's timeline
 STEPS: list[tuple[int, float, float]] = []  # per runner step: tokens scheduled, wall seconds, engine thread CPU seconds
 STEP_STARTS: list[tuple[int, int]] = []  # per runner step: tokens scheduled, time.time_ns() at its start (--timeline)
@@ -355,9 +358,12 @@ def install_probes() -> None:
     timed(interleaver.Interleaver, "finish", "interleaver.finish (reports)")
     timed(calls.ProgramCall, "_wait_for_program", "engine waits for programs", debug_sync=False)
     timed(calls.ProgramCall, "_switch_in", "engine runs programs (greenlets)", debug_sync=False)
-    if os.environ.get("PROBE_NO_HUB"):  # an A/B of calls.run_shallow: the engine switches into programs itself
-        for module in (dispatch, interleaver):
-            module.run_shallow = lambda fn, *args: fn(*args)
+    for module, site in ((dispatch, "a hook"), (interleaver, "a step's start or end")):
+        inner = (lambda fn, *args: fn(*args)) if os.environ.get("PROBE_NO_HUB") else module.run_shallow
+        if os.environ.get("PROBE_NO_HUB"):  # an A/B of calls.run_shallow: the engine switches into programs itself
+            module.run_shallow = inner
+        if os.environ.get("PROBE_FINE"):  # how deep the engine is there (greenlet walks that on Python 3.12+)
+            module.run_shallow = _frames_at(site, inner)
     if os.environ.get("PROBE_FINE"):  # a program per invoke's path, part by part (each timer adds ~0.5 us)
         from interlace.workers import holds, points, states, view
         for owner, name, label in (
@@ -388,6 +394,18 @@ def install_probes() -> None:
     timed(driver_model, "read_new_reports", "driver: read reports", debug_sync=False)
     timed(driver_model.Model, "_generate", "driver: generate", debug_sync=False)
     timed(driver_model.Model, "_collect", "driver: collect reports", debug_sync=False)
+
+
+def _frames_at(site: str, inner):
+    """``inner`` (calls.run_shallow or a direct call), noting in DEPTHS the most Python frames its
+    callers at ``site`` were deep."""
+    def run(fn, *args):
+        depth, frame = 0, sys._getframe(1)
+        while frame is not None:
+            depth, frame = depth + 1, frame.f_back
+        DEPTHS[site] = max(DEPTHS.get(site, 0), depth)
+        return inner(fn, *args)
+    return run
 
 
 def print_tail() -> None:
@@ -617,6 +635,7 @@ def main() -> None:
             torch.set_num_threads(torch_threads)
             ablated = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
             TOTALS.clear(), CPU_TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear(), EVENTS.clear(), STEP_STARTS.clear()
+            DEPTHS.clear()
             LAST_STEP_END[0] = None
             segments = _device_segments()
             if args.profile and not warm:
@@ -656,6 +675,9 @@ def main() -> None:
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)"
                       + (f"  thread CPU {CPU_TOTALS[label]:.3f} s" if label in CPU_TOTALS else ""))
             print_steps()
+            if DEPTHS:
+                print("  the engine's Python frames where it hands programs to the hub (most): "
+                      + ", ".join(f"{site} {depth}" for site, depth in DEPTHS.items()))
             if recorded is not None and args.copy_sources:
                 print_copy_sources(recorded)
             elif recorded is not None:

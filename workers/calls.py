@@ -370,11 +370,12 @@ def run_shallow(fn: Callable[..., Any], *args: Any) -> Any:
 
     On Python 3.12 and later greenlet walks the whole Python frame chain of the greenlet it
     switches away from, and again on the way back, so that ``gr_frame`` tracebacks stay valid
-    (``expose_frames``/``unexpose_frames`` in greenlet's source; 3.11 has no such walk). At a tap
-    the engine sits a hundred or more frames deep in vLLM's compiled forward, and a switch into a
-    program and back from there cost 4-9 us instead of 2 (Python 3.12, 100-200 frames,
-    greenlet 3.5.6): with a program per invoke, 512 of them a step. Here the engine's frames are
-    walked once per call of this function, and each program's switch walks the hub's few.
+    (``expose_frames``/``unexpose_frames`` in greenlet's source; 3.11 has no such walk): about 1 us
+    more per switch into a program and back for every 100 frames the engine is deep (Python 3.12,
+    greenlet 3.5.6; 4-9 us instead of 2 at 200-400 frames), and a program per invoke makes 512 of
+    them a step. At a tap the engine is dozens of frames deep (46 in the CPU engine's forward).
+    Here the engine's frames are walked once per call of this function, and each program's switch
+    walks the hub's few.
 
     Runs ``fn`` directly where a switch would not help or could not be made: in the hub itself,
     or while the hub is away in a program (a program reaching here would resume the hub midway).
