@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from interlace.workers.calls import ProgramCall, run_shallow
 from interlace.workers.points import Point
 

@@ -66,8 +66,7 @@ class PointDispatcher:
             self._apply_op(step, point, access, step_op)
         if step.replays:
             self._replay(step, module, family, access)
-        # (a finished call's FINISHED matches no module)
-        ready = [(c, x) for c, x in step.calls if c.waiting_for.module == module and c.waiting_for.kind in kinds]
+        ready = _waiting_at(step, module, kinds)
         if ready:
             run_shallow(self._run_programs, step, module, kinds, access, ready)
         return access.result()
@@ -85,7 +84,7 @@ class PointDispatcher:
                         self._deliver(call, ctx, call.waiting_for, access)
                         self.pump(step)
                 self.settle(step)
-                ready = [(c, x) for c, x in step.calls if c.waiting_for.module == module and c.waiting_for.kind in kinds]
+                ready = _waiting_at(step, module, kinds)
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
             self._log_writes(delivered)
             for call, ctx in delivered:
@@ -331,6 +330,11 @@ class PointDispatcher:
             return
         call.resume(value)
         self.after_resume(call, ctx)
+
+
+def _waiting_at(step: Step, module: str, kinds: tuple[str, ...]) -> list[tuple[ProgramCall, CallContext]]:
+    """The step's calls waiting at this hook (a finished call's FINISHED matches no module)."""
+    return [(c, x) for c, x in step.calls if c.waiting_for.module == module and c.waiting_for.kind in kinds]
 
 
 def _gather(split, value: Any) -> Any:
