@@ -15,7 +15,7 @@ the hub (calls.run_shallow), for an A/B.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
        [--graphs [--case-taps]] [--taps] [--kv-gib G] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
-       [--blocking-sync] [--timeline]
+       [--blocking-sync] [--timeline] [--profile-in module.Class.method,...]
 Variants (``--reserve-ab``, ``--threads-ab``, ``--ablate``) run each case again in the same process;
 the machine may drift between runs minutes apart, so compare a case with its own variants.
 A case named ``NAME@host`` runs NAME with saves copied to pinned host memory at once instead of
@@ -285,8 +285,9 @@ def install_probes() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
     from interlace import model as driver_model
-    from interlace.workers import (calls, dispatch, interleaver, ops, pinned, report_file, reports, saves, scheduler,
-                                   step_schedule, write_log)
+    from interlace.workers import (calls, dispatch, interleaver, ops, pinned, program_services, report_file, reports, saves,
+                                   scheduler, step_schedule, write_log)
+    from interlace.workers import taps as taps_module
 
     time_steps(Worker)
     take = saves.DeviceRoom.take
@@ -337,6 +338,11 @@ def install_probes() -> None:
     timed(step_schedule.StepScheduler, "program_groups", "  begin_step: program groups")
     timed(ops.OpPlan, "for_step", "  begin_step: op plans")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
+    timed(dispatch.PointDispatcher, "take_tapped", "  end_step: saves made in the taps (gather, ledger)")
+    timed(taps_module.TappedSaves, "gather", "    take_tapped: gather")
+    timed(program_services.ProgramServices, "_save_rows", "    take_tapped: _save_rows (limits, ledger)")
+    timed(saves.SaveLedger, "add", "      _save_rows: ledger.add")
+    timed(reports.ReportBatcher, "reserve_ahead", "      _save_rows: reserve_ahead")
     # a squeezed cache: the write log's copies to the host and its replays (write_log.py)
     timed(interleaver.Interleaver, "_replays", "  begin_step: replays (gather, copy to the device)")
     timed(write_log.WriteBook, "replay", "    replays: book.replay")
@@ -597,6 +603,9 @@ def main() -> None:
     parser.add_argument("--blocking-sync", action="store_true",
                         help="CUDA waits block instead of spinning, so time the engine thread waits for the GPU "
                              "shows as wall time above its CPU time")
+    parser.add_argument("--profile-in", default="",
+                        help="comma-separated module.Class.method (under interlace.workers): a cProfile of each, "
+                             "enabled only while it runs, printed by cumulative time (e.g. dispatch.PointDispatcher.take_tapped)")
     args = parser.parse_args()
     if args.blocking_sync:
         _blocking_cuda_sync()
@@ -615,6 +624,7 @@ def main() -> None:
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
     data = prompts(args.n, args.inp, min(1000, hf.vocab_size))
     install_probes()
+    profiled = _profile_in(args.profile_in)
     if args.ab:
         ab(model, data, args, cases)
         return
@@ -664,6 +674,9 @@ def main() -> None:
             process_cpu = time.process_time() - process_cpu
             segments = _device_segments() - segments
             profile, PROFILE[0] = PROFILE[0], None
+            inside = {label: prof for label, prof in profiled.items()}
+            for label in profiled:
+                profiled[label] = __import__("cProfile").Profile()  # the next trace's own
             tail = f"{time.perf_counter() - LAST_STEP_END[0]:.3f} s" if LAST_STEP_END[0] else "-"
             if warm:
                 continue
@@ -685,10 +698,48 @@ def main() -> None:
             print_tail()
             if profile is not None:
                 _print_profile(profile, args.profile, steps)
+            for label, prof in inside.items():
+                _print_inside(label, prof, steps)
             for where, count in SYNCS.most_common(10):
                 print(f"  sync x{count}: {where}")
     with contextlib.suppress(Exception):
         model.close()
+
+
+def _profile_in(spec: str) -> dict:
+    """``--profile-in``: wrap each named method so that a cProfile (one per method, replaced per
+    trace) records only inside it. Returns label -> the current profile."""
+    import cProfile
+    import importlib
+
+    profiled: dict = {}
+    for name in filter(None, spec.split(",")):
+        module_name, cls_name, method = name.rsplit(".", 2)
+        owner = getattr(importlib.import_module(f"interlace.workers.{module_name}"), cls_name)
+        original = getattr(owner, method)
+        profiled[name] = cProfile.Profile()
+
+        def wrapper(*args, _original=original, _name=name, **kwargs):
+            prof = profiled[_name]
+            prof.enable()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                prof.disable()
+
+        setattr(owner, method, functools.wraps(original)(wrapper))
+    return profiled
+
+
+def _print_inside(label: str, prof, steps: int) -> None:
+    import pstats
+
+    stats = pstats.Stats(prof)
+    print(f"  inside {label} (cProfile, its overhead included; ms per step, cumulative):")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:25]
+    for (path, line, func), (_cc, calls, own, cum, _callers) in rows:
+        where = path.split("/site-packages/")[-1].split("/main/")[-1]
+        print(f"    {1000 * cum / steps:8.3f} cum {1000 * own / steps:8.3f} own  {calls / steps:6.1f}/step  {where}:{line}({func})")
 
 
 if __name__ == "__main__":
