@@ -721,7 +721,10 @@ def _profile_in(spec: str) -> dict:
 
         def wrapper(*args, _original=original, _name=name, **kwargs):
             prof = profiled[_name]
-            prof.enable()
+            try:  # Python 3.12+: one profiler at a time in a process (sys.monitoring); nested ones run unrecorded
+                prof.enable()
+            except ValueError:
+                return _original(*args, **kwargs)
             try:
                 return _original(*args, **kwargs)
             finally:
