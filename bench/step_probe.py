@@ -11,7 +11,8 @@ PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each
 microseconds per call, which inflates the finer phases). PROBE_FINE=1 times a program per invoke's
 path part by part, and prints how many Python frames deep the engine is where it hands programs
 to the hub (greenlet walks those at every switch on Python 3.12+); PROBE_NO_HUB=1 has the engine switch into programs itself instead of through
-the hub (calls.run_shallow), for an A/B.
+the hub (calls.run_shallow), for an A/B. PROBE_NO_PROLOGUE=1 starts every program at its step's start, also
+those that could start at their first point (prologue.py), for an A/B.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
        [--graphs [--case-taps]] [--taps] [--kv-gib G] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
@@ -370,6 +371,8 @@ def install_probes() -> None:
             module.run_shallow = inner
         if os.environ.get("PROBE_FINE"):  # how deep the engine is there (greenlet walks that on Python 3.12+)
             module.run_shallow = _frames_at(site, inner)
+    if os.environ.get("PROBE_NO_PROLOGUE"):  # an A/B of prologue.py: every program starts at the step's start
+        interleaver.prologue_of = lambda program: None
     if os.environ.get("PROBE_FINE"):  # a program per invoke's path, part by part (each timer adds ~0.5 us)
         from interlace.workers import holds, points, states, view
         for owner, name, label in (

@@ -200,3 +200,36 @@ def test_tensors_a_program_reaches_through_the_functions_it_calls_move_to_the_mo
     program = lambda m: steer(m)  # noqa: E731 - the form a user writes
     assert _on_device(program, torch.device("meta")) is program
     assert steer(1).device.type == "meta"  # both of steer's cells, reached through the lambda's
+
+
+def test_a_program_started_at_its_first_point_takes_the_value_there_and_one_never_reached_stops_there():
+    """calls.ProgramCall.start_at: the program's first wait, at the point it was started for,
+    returns the value handed over without a switch back; a first wait elsewhere waits as usual.
+    A call left unstarted whose point never came is stopped at its first wait, as a started one
+    would be, and fails with the reason given."""
+    here, later = Point("model.layers.1", "resid"), Point("model.layers.2", "resid")
+    seen = []
+
+    def program(m):
+        seen.append(call.wait_at(here))
+        seen.append(call.wait_at(later))
+
+    call = ProgramCall(program, _View(), budget_s=5.0, limit_s=5.0)
+    call.start_at(here, "first")
+    assert seen == ["first"] and call.waiting_for == later and call.first_point == here
+    call.resume("second")
+    assert seen == ["first", "second"] and call.done and call.error is None
+
+    other = ProgramCall(program, _View(), budget_s=5.0, limit_s=5.0)
+    call, seen[:] = other, []
+    other.start_at(later, "not for here")  # its first wait is elsewhere: it waits there
+    assert seen == [] and other.waiting_for == here
+    other.resume("first")
+    assert seen == ["first"] and other.waiting_for == later
+
+    never = ProgramCall(program, _View(), budget_s=5.0, limit_s=5.0)
+    call, seen[:] = never, []
+    never.unstarted, never.waiting_for = True, here
+    never.cancel("layers.1 was not reached")
+    assert seen == [] and never.done and never.first_point == here
+    assert never.error["type"] == "ProgramError" and "not reached" in never.error["message"]

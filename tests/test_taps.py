@@ -694,3 +694,60 @@ def test_a_program_switched_into_at_a_tap_copies_none_of_the_engines_stack(tappe
         assert result.saves["stack_saved"] == [[0, 0]] * 3
         for hub, engine in result.saves["frames"]:
             assert hub < 12 < 30 < engine, (hub, engine)
+
+
+def test_a_program_whose_first_statement_walks_to_a_point_starts_there_with_the_same_results(tapped):
+    """A program whose first statement only walks the module tree to a point (``m.layers[i].resid
+    += v``, prologue.py) is started at that point from its second step in an epoch on, with the
+    value handed to its first read (calls.ProgramCall.start_at): one round trip a step instead of
+    two. Its tokens and saves equal those of the same program with a statement before the walk,
+    which is started at each step's start; a program whose first point moves between steps (its
+    index a closure cell it changes) is started at the step's start whenever it moved."""
+    layer = 1
+
+    def hub_functions():  # where the hub that switched into the program is (calls.run_shallow)
+        import greenlet
+
+        frame, names = greenlet.getcurrent().parent.gr_frame, []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return names
+
+    def walks(m):
+        m.layers[layer].resid += 0.5
+        m.save("started_at", "start_at" in hub_functions())
+        m.save("h", m.layers[2].resid)
+
+    def runs_code_first(m):
+        scale = 0.5
+        m.layers[layer].resid += scale
+        m.save("started_at", "start_at" in hub_functions())
+        m.save("h", m.layers[2].resid)
+
+    def moves(m):
+        nonlocal layer
+        m.layers[layer].resid += 0.5
+        m.save("started_at", "start_at" in hub_functions())
+        m.save("h", m.layers[2].resid)
+        layer = 2 if m.step % 2 else 1  # after steps 1, 3, ...: layer 2 next step
+
+    prompts = ["the quick brown fox", "One two three"]
+    results = {}
+    for program in (walks, runs_code_first):
+        with tapped.trace(max_tokens=6, ignore_eos=True) as tr:
+            for prompt in prompts:
+                tr.invoke(prompt, program)
+        results[program.__name__] = tr.result
+    for late, early in zip(results["walks"], results["runs_code_first"]):
+        assert late.token_ids == early.token_ids
+        assert torch.equal(late.saves["h"], early.saves["h"])
+        assert not any(early.saves["started_at"])
+        started = late.saves["started_at"]
+        assert started[0] is False and started[-1] is True, started  # the prompt's step: at the step's start
+
+    with tapped.trace(max_tokens=6, ignore_eos=True) as tr:
+        tr.invoke(prompts[0], moves)
+    [moved] = tr.result
+    assert len(moved.token_ids) == 6
+    assert not any(moved.saves["started_at"]), moved.saves["started_at"]  # layers 1, 1, 2, 1, 2, 1

@@ -134,6 +134,16 @@ class ProgramCall:
         # this call's own thread registers it), so a switch pays one locked leave, not two.
         self.watched = False
         self.deadline = 0.0  # when the watchdog interrupts it (set as it enters)
+        # Started at its first point rather than at the step's start (start_at; prologue.py):
+        # ``unstarted`` while it waits there without having run, ``_handed`` the (point, value) its
+        # first wait takes without a switch. ``first_point``: where it first waited this step,
+        # ``last_first`` and ``last_inputs`` the same and its prologue's index values a step ago.
+        self.prologue = None  # prologue.Prologue, where the program may start at its first point (one rank, one stage)
+        self.unstarted = False
+        self._handed: tuple | None = None
+        self.first_point: Point | None = None
+        self.last_first: Point | None = None
+        self.last_inputs: tuple | None = None
         self._greenlet: greenlet.greenlet | None = None  # the worker running the program, from start to its end
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
 
@@ -152,12 +162,25 @@ class ProgramCall:
         self.timed_out = self.stopped = self.watched = False
         self.writes = 0
         self._greenlet = self._engine = None
+        self.last_first, self.first_point = self.first_point, None
+        self.unstarted, self._handed = False, None
         self.view._bind(self)
 
     # --- engine side ---------------------------------------------------------------------------
 
     def start(self) -> None:
         self._switch_in(_START)
+
+    def start_at(self, point: Point, value: Any) -> None:
+        """Start a program whose first access is ``point`` (its prologue only walks the module
+        tree: prologue.py) where the forward pass is at that point: its first wait takes ``value``
+        without switching back, one round trip instead of two."""
+        self.unstarted = False
+        self._handed = (point, value)
+        try:
+            self._switch_in(_START)
+        finally:
+            self._handed = None
 
     def resume(self, value: Any) -> None:
         """Hand ``value`` to the program waiting at its point; return when it waits again."""
@@ -170,6 +193,16 @@ class ProgramCall:
     def suspend(self) -> None:
         """Stop a program whose next access runs on a later pipeline stage (not an error)."""
         self._switch_in(Suspended())
+
+    def _start_to_stop(self, stop: BaseException) -> None:
+        """A program waiting unstarted is stopped as a started one is: it runs to its first wait,
+        where ``stop`` is raised."""
+        self.unstarted = False
+        self._handed = (None, stop)
+        try:
+            self._switch_in(_START)
+        finally:
+            self._handed = None
 
     @property
     def done(self) -> bool:
@@ -186,6 +219,8 @@ class ProgramCall:
         :class:`ProgramError` handed in is raised at the program's point)."""
         if self.done:
             return
+        if self.unstarted and value is not _START:
+            return self._start_to_stop(value)
         if self.used_s >= self.budget_s if self.local_limits else self.budget_s <= 0:
             self._time_out()
             return
@@ -304,6 +339,15 @@ class ProgramCall:
         """Called from the program: switch back to the engine until it reaches ``point``."""
         if self.timed_out:  # still watched: a program that swallows this is interrupted again
             raise ProgramError("time limit")
+        if self.first_point is None:
+            self.first_point = point
+            handed = self._handed
+            if handed is not None:  # started at its first point (start_at), or to be stopped there
+                self._handed = None
+                if handed[0] is None:
+                    raise handed[1]
+                if point is handed[0] or point == handed[0]:
+                    return handed[1]
         WATCHDOG.leave(self)
         self.waiting_for = point
         value = self._engine.switch()

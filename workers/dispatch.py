@@ -211,7 +211,10 @@ class PointDispatcher:
             # keeps no log (never preempted): a late edit fails alike whatever the cache holds.
             value, copy = _own_copy(value), True
         ctx.holds.live.append(Held(point, value, versions(value), access, rows, split, copy))
-        call.resume(value)
+        if call.unstarted:  # its first point, known without running it (prologue.py)
+            call.start_at(point, value)
+        else:
+            call.resume(value)
         self.after_resume(call, ctx)
 
     def after_resume(self, call: ProgramCall, ctx: CallContext) -> None:

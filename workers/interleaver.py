@@ -42,6 +42,7 @@ from interlace.workers.ops import OpOrder, applied_bit, selected_nothing
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ModuleTree, Rows
 from interlace.workers.program_services import ProgramServices
+from interlace.workers.prologue import prologue_of
 from interlace.workers.reporter import Reporter
 from interlace.workers.reports import ReportBatcher
 from interlace.workers.saves import SaveLedger
@@ -356,8 +357,17 @@ class Interleaver(ProgramServices):
             run_shallow(self._start_calls, self.step)
 
     def _start_calls(self, step: Step) -> None:
-        """Run each of the step's programs to its first wait (in the hub: calls.run_shallow)."""
+        """Run each of the step's programs to its first wait (in the hub: calls.run_shallow), or
+        leave it unstarted where its first point is known without running it (prologue.py): the
+        hook there starts it (PointDispatcher._deliver)."""
         for call, ctx in step.calls:
+            prologue = call.prologue
+            if prologue is not None:
+                inputs = prologue.values()
+                if inputs is not None and inputs == call.last_inputs and call.last_first is not None:
+                    call.unstarted, call.waiting_for = True, call.last_first
+                    continue
+                call.last_inputs = inputs
             call.start()
             self.dispatcher.after_resume(call, ctx)
             self.dispatcher.pump(step)
@@ -384,6 +394,8 @@ class Interleaver(ProgramServices):
                                replay_points=carried.points if carried is not None else None,
                                keep_log=not self.stages.last, local_limits=self.agree_max is None,
                                flight=first.flight)
+            if self.agree_max is None and call.log is None and not call.replaying:  # one rank, one stage
+                call.prologue = prologue_of(first.program)
             object.__setattr__(view, "_call", call)
             self.step.calls.append((call, ctx))
         self.step.calls.sort(key=lambda c: (c[1].invokes[0].trace, c[1].invokes[0].invoke))
