@@ -175,12 +175,7 @@ class ProgramCall:
         """Start a program whose first access is ``point`` (its prologue only walks the module
         tree: prologue.py) where the forward pass is at that point: its first wait takes ``value``
         without switching back, one round trip instead of two."""
-        self.unstarted = False
-        self._handed = (point, value)
-        try:
-            self._switch_in(_START)
-        finally:
-            self._handed = None
+        self._start_handing(point, value)
 
     def resume(self, value: Any) -> None:
         """Hand ``value`` to the program waiting at its point; return when it waits again."""
@@ -197,8 +192,13 @@ class ProgramCall:
     def _start_to_stop(self, stop: BaseException) -> None:
         """A program waiting unstarted is stopped as a started one is: it runs to its first wait,
         where ``stop`` is raised."""
+        self._start_handing(None, stop)
+
+    def _start_handing(self, point: Point | None, value: Any) -> None:
+        """Start an unstarted program, its first wait taking ``value`` at ``point`` (None: raising
+        ``value`` there; see wait_at)."""
         self.unstarted = False
-        self._handed = (None, stop)
+        self._handed = (point, value)
         try:
             self._switch_in(_START)
         finally:
