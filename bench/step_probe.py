@@ -12,7 +12,8 @@ microseconds per call, which inflates the finer phases). PROBE_FINE=1 times a pr
 path part by part, and prints how many Python frames deep the engine is where it hands programs
 to the hub (greenlet walks those at every switch on Python 3.12+); PROBE_NO_HUB=1 has the engine switch into programs itself instead of through
 the hub (calls.run_shallow), for an A/B. PROBE_NO_PROLOGUE=1 starts every program at its step's start, also
-those that could start at their first point (prologue.py), for an A/B.
+those that could start at their first point (prologue.py), for an A/B. PROBE_NO_RUNS=1 adds the saves made
+in graph taps to the save ledger step by step, as before runs (saves.py), for an A/B.
 
 Usage: python bench/step_probe.py [--cases ops-save4,prog-save4] [--n 256] [--in 128] [--out 128] [--shape 1b]
        [--graphs [--case-taps]] [--taps] [--kv-gib G] [--no-baseline] [--profile N] [--reserve-ab] [--threads-ab N] [--ablate keep|ops|dispatch|step]...
@@ -340,10 +341,12 @@ def install_probes() -> None:
     timed(ops.OpPlan, "for_step", "  begin_step: op plans")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
     timed(dispatch.PointDispatcher, "take_tapped", "  end_step: saves made in the taps (gather, ledger)")
-    timed(taps_module.TappedSaves, "gather", "    take_tapped: gather")
-    timed(program_services.ProgramServices, "_save_rows", "    take_tapped: _save_rows (limits, ledger)")
-    timed(saves.SaveLedger, "add", "      _save_rows: ledger.add")
-    timed(reports.ReportBatcher, "reserve_ahead", "      _save_rows: reserve_ahead")
+    timed(program_services.ProgramServices, "save_tapped", "    take_tapped: save_tapped (limits, ledger)")
+    timed(taps_module.TappedSaves, "gather", "      save_tapped: gather (a step of its own)")
+    timed(taps_module.TappedSaves, "gather_into", "      save_tapped: gather into a run")
+    timed(saves.SaveLedger, "run_rows", "      save_tapped: ledger.run_rows")
+    timed(saves.SaveLedger, "add", "      save_tapped, _save_rows: ledger.add")
+    timed(reports.ReportBatcher, "reserve_ahead", "      save_tapped, _save_rows: reserve_ahead")
     # a squeezed cache: the write log's copies to the host and its replays (write_log.py)
     timed(interleaver.Interleaver, "_replays", "  begin_step: replays (gather, copy to the device)")
     timed(write_log.WriteBook, "replay", "    replays: book.replay")
@@ -373,6 +376,9 @@ def install_probes() -> None:
             module.run_shallow = _frames_at(site, inner)
     if os.environ.get("PROBE_NO_PROLOGUE"):  # an A/B of prologue.py: every program starts at the step's start
         interleaver.prologue_of = lambda program: None
+    if os.environ.get("PROBE_NO_RUNS"):  # an A/B of runs (saves.py): tapped saves added to the ledger each step
+        from interlace.workers import saves
+        saves.SaveLedger.run_rows = lambda self, *args, **kwargs: None
     if os.environ.get("PROBE_FINE"):  # a program per invoke's path, part by part (each timer adds ~0.5 us)
         from interlace.workers import holds, points, states, view
         for owner, name, label in (
@@ -471,7 +477,10 @@ def _ablate_keep():
     """Saved rows are made (gathered, limits checked) but not kept: nothing held, nothing reported."""
     from interlace.workers import saves
 
-    return _switched_off(saves.SaveLedger, "add", lambda *args, **kwargs: None)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_switched_off(saves.SaveLedger, "run_rows", lambda *args, **kwargs: None))
+    stack.enter_context(_switched_off(saves.SaveLedger, "add", lambda *args, **kwargs: None))
+    return stack
 
 
 def _ablate_ops():

@@ -279,3 +279,105 @@ def test_rows_of_steps_past_an_invokes_last_returned_token_are_left_out():
     ledger.add("t", [("h", _rows(5))], owners=np.array([0]), starts=np.array([0]), stops=np.array([1]),
                steps=np.array([2]))
     assert ledger.take("t", [0], np.array([1])).assemble() == [{}]  # every row cut: no name at all
+
+
+def _save_step(ledger, key, trace, names, owners, starts, stops, steps, values, run: bool):
+    """One step of a group's saves (``values``: [names, rows, width]), as dispatch.take_tapped
+    keeps them: into the group's run, or added as they are."""
+    into = None
+    if run:
+        into = ledger.run_rows(key, trace, names, owners, starts, stops, steps, tuple(values.shape[1:]),
+                               values.dtype, values.device)
+        assert into is not None and tuple(into.shape) == tuple(values.shape)
+    if into is not None:
+        into.copy_(values)
+    else:
+        ledger.add(trace, list(zip(names, values.clone().unbind(0))), owners, starts, stops, fresh=True, steps=steps)
+
+
+def _plain(results):
+    return [{name: value.flatten().tolist() for name, value in saves.items()} for saves in results]
+
+
+def test_a_group_saved_at_every_step_into_runs_reports_what_adding_each_step_reports():
+    """A decode's saves in the graph taps go into runs of RUN_STEPS steps (SaveLedger.run_rows):
+    over more steps than two runs, with a program's save of the same name in between (which
+    enters the open run first, so each owner's rows stay in save order), an owner reported
+    before the others, and the last step of one owner cut, every owner gets exactly what the
+    ledger gives when each step is added on its own, from a few chunks per name."""
+    from interlace.workers.saves import RUN_STEPS
+
+    owners, starts, stops = np.array([7, 3, 5]), np.array([0, 1, 2]), np.array([1, 2, 3])
+    key = object()
+    results = {}
+    for run in (False, True):
+        ledger = SaveLedger()
+        got = {}
+        for step in range(2 * RUN_STEPS + 5):
+            values = torch.arange(6, dtype=torch.float32).reshape(2, 3, 1) + 100 * step
+            _save_step(ledger, key, "t", ["a", "b"], owners, starts, stops, np.full(3, step), values, run)
+            if step == 40:  # a save of "a" for owner 3 only, from elsewhere
+                ledger.add("t", [("a", _rows(-1.0))], np.array([3]), np.array([0]), np.array([1]), steps=np.array([step]))
+            if step == 50:
+                got[7] = ledger.take("t", [7]).assemble()[0]
+        got[3], got[5] = ledger.take("t", [3, 5], np.array([ALL_STEPS, 2 * RUN_STEPS + 3])).assemble()
+        if run:
+            assert len(ledger._runs) == 0 and not ledger._open
+        results[run] = {slot: _plain([saves])[0] for slot, saves in got.items()}
+    assert results[True] == results[False]
+    assert results[True][3]["a"][40:43] == [4001, -1, 4101] and len(results[True][5]["b"]) == 2 * RUN_STEPS + 4
+    assert len(results[True][7]["a"]) == 51
+
+
+def test_runs_of_rows_saved_for_several_traces_go_to_each_trace_and_are_let_go_of_once():
+    """A server's one-invoke traces saving at the same tap share one run (TraceOwners): each
+    trace takes its own rows whichever finishes first, and every chunk is let go of once."""
+    owners = np.array([5, 3, 8])
+    traces = TraceOwners.of(["a", "b", "a"])
+    ledger = SaveLedger()
+    released = []
+    original = ledger.release
+    ledger.release = lambda chunks: (released.extend(chunks), original(chunks))[1]
+    key = object()
+    for step in range(5):
+        values = torch.tensor([[[1.0 + step], [2.0 + step], [3.0 + step]]])
+        _save_step(ledger, key, traces, ["h"], owners, np.arange(3), np.arange(1, 4), np.full(3, step), values,
+                   run=step > 0)
+    [three] = ledger.take("b", [3]).assemble()
+    assert three["h"].flatten().tolist() == [2, 3, 4, 5, 6]
+    assert not released and "a" in ledger._chunks
+    five, eight = ledger.take("a", [5, 8]).assemble()
+    assert five["h"].flatten().tolist() == [1, 2, 3, 4, 5] and eight["h"].flatten().tolist() == [3, 4, 5, 6, 7]
+    assert len(released) == len({id(c) for c in released}) == 2  # the first step's chunk and the run's
+    assert not ledger._chunks and not ledger._runs and not ledger._open
+
+
+@pytest.mark.gpu
+def test_a_run_on_the_gpu_takes_its_steps_from_the_device_room_and_gives_them_all_back():
+    """A run on a GPU holds RUN_STEPS steps of the device room from its start; entered after
+    fewer steps it gives the rest back, and its chunks the rest once reported; its rows come
+    back exactly. Without room for a run, none is started (the caller adds the rows as before)."""
+    from interlace.workers.saves import RUN_STEPS
+
+    torch.manual_seed(0)
+    owners, starts, stops = np.array([1, 0]), np.array([0, 1]), np.array([1, 2])
+    step_bytes = 2 * 2 * 8 * 2  # [names, rows, 8] bfloat16
+    room = DeviceRoom(limit=RUN_STEPS * step_bytes)
+    ledger = SaveLedger(room)
+    key = object()
+    values = [torch.randn(2, 2, 8, device="cuda").to(torch.bfloat16) for _ in range(5)]
+    for step, value in enumerate(values):
+        into = ledger.run_rows(key, "t", ["a", "b"], owners, starts, stops, np.full(2, step), (2, 8), value.dtype,
+                               value.device)
+        into.copy_(value)
+    assert room.used == RUN_STEPS * step_bytes
+    assert ledger.run_rows(object(), "u", ["a"], owners, starts, stops, np.zeros(2), (2, 8), torch.bfloat16,
+                           values[0].device) is None  # no room for a second run
+    taken = ledger.take("t", [0, 1])
+    assert room.used == 5 * step_bytes  # the steps it filled, held by the report
+    zero, one = taken.assemble()
+    for name, j in (("a", 0), ("b", 1)):
+        assert torch.equal(zero[name], torch.stack([v[j, 1] for v in values]).cpu())
+        assert torch.equal(one[name], torch.stack([v[j, 0] for v in values]).cpu())
+    taken.release()
+    assert room.used == 0

@@ -37,12 +37,12 @@ class PointDispatcher:
     """Runs a step's ops and programs at each hooked module (the interleaver's on_point)."""
 
     def __init__(self, tree: ModuleTree, tp: TensorParallelLayout, stages: StageMap, hooks: HookSet, taps,
-                 slots: SlotTable, save_rows: Callable[..., None],
+                 slots: SlotTable, save_rows: Callable[..., None], save_tapped: Callable[..., None],
                  agree_max: Callable[[np.ndarray], np.ndarray] | None, book: WriteBook,
                  at_taps: Callable[[Point], bool] | None = None):
         """The interleaver's own parts, shared (``taps``: its graph taps, or None). ``save_rows``:
         how an op's saved rows are kept (the interleaver's ``_save_rows``: limits, ledger, report
-        file); ``agree_max``: under TP > 1, the max over the group for agreement rounds (None: none);
+        file), ``save_tapped`` those of saves made in the graph taps; ``agree_max``: under TP > 1, the max over the group for agreement rounds (None: none);
         ``book``: where programs' writes are logged (write_log.py); ``at_taps``: whether a point is served between graph pieces (None: no taps)."""
         self.tree = tree
         self.tp = tp
@@ -51,6 +51,7 @@ class PointDispatcher:
         self.taps = taps
         self.slots = slots
         self.save_rows = save_rows
+        self.save_tapped = save_tapped
         self.agree_max = agree_max
         self.at_taps = at_taps
         self.book = book
@@ -177,9 +178,10 @@ class PointDispatcher:
 
     def take_tapped(self, tapped: list[tuple[Point, StepOp]], memo: dict) -> None:
         """The saves that ran in taps: their rows, from the taps' buffers (read before the next
-        forward). Saves of the same rows (a sweep saving 4 layers' last token) are one gather and
-        one ledger entry per step: this runs on the engine thread between graph replays of about
-        3 ms (the 1B shape on an H100), where each save's own gather and bookkeeping added up."""
+        forward). Saves of the same rows (a sweep saving 4 layers' last token) are one gather per
+        step, into one run of the ledger while they repeat (saves.py): this runs on the engine
+        thread between graph replays of about 3 ms (the 1B shape on an H100), where each save's
+        own gather and bookkeeping added up."""
         last = memo.get("tapped groups")
         if last is None or (last[0] is not tapped and (len(last[0]) != len(tapped)
                                                       or not all(a[1] is b[1] for a, b in zip(last[0], tapped)))):
@@ -187,9 +189,7 @@ class PointDispatcher:
         for group in last[1]:
             where = f"op save at {group.where}"
             try:
-                values = group.gather(self.taps)
-                self.save_rows(group.invokes, group.slots, list(zip(group.names, values)), group.starts, group.stops,
-                               fresh=True, traces=group.traces, where=where)
+                self.save_tapped(group, self.taps, where)
             except Exception as exc:  # noqa: BLE001
                 for inv in group.invokes:
                     inv.fail(error_record(exc, where=where))

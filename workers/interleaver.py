@@ -102,7 +102,7 @@ class Interleaver(ProgramServices):
         # The phases' collaborators, sharing the state above (see the module's docstring)
         self.scheduler = StepScheduler(self.invokes, self.slots, self.op_plans)
         self.dispatcher = PointDispatcher(self.tree, self.tp, self.stages, self.hooks, self.taps, self.slots,
-                                          self._save_rows, agree_max, self.book,
+                                          self._save_rows, self.save_tapped, agree_max, self.book,
                                           self.at_taps if self.taps is not None else None)
         self.reports = ReportBatcher(self.ledger, self.slots, self.reporter, rank_info["pp_rank"])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from interlace.workers.saves import HostRows, SaveLedger, TraceOwners, host_copy
 from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, InvokeState, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
+
+if TYPE_CHECKING:
+    from interlace.workers.taps import Taps, TappedSaves
 
 
 # Snapshots held until their step ends, all calls' together (ProgramServices._hold_save): what the
@@ -143,7 +146,36 @@ class ProgramServices:
         over (their rows are kept until they are reported, without counting against anything).
         """
         row_bytes = sum(math.prod(value.shape[1:]) * value.element_size() for _name, value in named)
-        rows = stops - starts
+        self._count_saves(invokes, slots, stops - starts, row_bytes, traces, where)
+        if self.rank["tp_rank"] == 0:
+            self.ledger.add(traces or invokes[0].trace, named, slots, starts, stops, fresh, steps=self._save_steps(slots))
+            self._reserve(invokes, stops - starts, row_bytes, len(named[0][1]) * row_bytes, traces)
+
+    def save_tapped(self, group: TappedSaves, taps: Taps, where: str) -> None:
+        """The saves a group made in the graph taps this step (dispatch.take_tapped), kept as
+        ``_save_rows`` keeps rows (and raising as it does): from the group's second step on,
+        gathered straight into a run of the ledger (saves.py), not into a tensor of their own."""
+        row_bytes = len(group.names) * group.shape[2] * taps.saved.element_size()
+        rows = group.stops - group.starts
+        self._count_saves(group.invokes, group.slots, rows, row_bytes, group.traces, where)
+        group.steps_saved += 1
+        if self.rank["tp_rank"] != 0:  # only TP rank 0 keeps rows
+            return
+        trace, steps = group.traces or group.invokes[0].trace, self._save_steps(group.slots)
+        into = None
+        if group.steps_saved > 1 and not taps.wide:  # a group that repeats: a decode
+            into = self.ledger.run_rows(group, trace, group.names, group.slots, group.starts, group.stops, steps,
+                                        group.shape[1:], taps.saved.dtype, taps.saved.device)
+        if into is not None:
+            group.gather_into(taps, into)
+        else:
+            self.ledger.add(trace, list(zip(group.names, group.gather(taps))), group.slots, group.starts, group.stops,
+                            fresh=True, steps=steps)
+        self._reserve(group.invokes, rows, row_bytes, group.shape[1] * row_bytes, group.traces)
+
+    def _count_saves(self, invokes: list[InvokeState], slots: np.ndarray, rows: np.ndarray, row_bytes: int,
+                     traces: TraceOwners | None, where: str) -> None:
+        """Count ``rows`` rows of ``row_bytes`` against each owner's save limit (see _save_rows)."""
         used = self.slots.save_used[slots] + rows * row_bytes
         over = used > self.slots.save_limit[slots]
         if over.any():
@@ -159,17 +191,22 @@ class ProgramServices:
                 inv.fail(error_record(error, where=where))
             used = np.where(over, self.slots.save_used[slots], used)
         self.slots.save_used[slots] = used
-        if self.rank["tp_rank"] == 0:
-            # each owner's generation step (step 0: the prompt, chunks of it included), so that rows
-            # of steps whose tokens vLLM did not return can be left out (Interleaver.finish)
-            steps = np.maximum(self.slots.next_position[slots] - self.slots.prompt_len[slots], 0)
-            self.ledger.add(traces or invokes[0].trace, named, slots, starts, stops, fresh, steps=steps)
-            if traces is None:
-                self.reports.reserve_ahead(invokes[0], len(named[0][1]) * row_bytes)
-                return
-            per_trace = np.bincount(traces.codes, weights=rows, minlength=len(traces.firsts)) * row_bytes
-            for first, nbytes in zip(traces.firsts, per_trace.tolist()):
-                self.reports.reserve_ahead(invokes[first], int(nbytes))
+
+    def _save_steps(self, slots: np.ndarray) -> np.ndarray:
+        """Each owner's generation step (step 0: the prompt, chunks of it included), so that rows
+        of steps whose tokens vLLM did not return can be left out (Interleaver.finish)."""
+        return np.maximum(self.slots.next_position[slots] - self.slots.prompt_len[slots], 0)
+
+    def _reserve(self, invokes: list[InvokeState], rows: np.ndarray, row_bytes: int, nbytes: int,
+                 traces: TraceOwners | None) -> None:
+        """Keep the report file reserved ahead of a save of ``nbytes`` (``rows`` rows of
+        ``row_bytes`` per owner) for each trace it is of."""
+        if traces is None:
+            self.reports.reserve_ahead(invokes[0], nbytes)
+            return
+        per_trace = np.bincount(traces.codes, weights=rows, minlength=len(traces.firsts)) * row_bytes
+        for first, each in zip(traces.firsts, per_trace.tolist()):
+            self.reports.reserve_ahead(invokes[first], int(each))
 
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):

@@ -16,7 +16,13 @@ which invoke owns which of them. Where the copy lives:
 Either way reporting is one gather per name: for a sweep of 256 invokes x 128 steps x 4 names,
 four row selections, not 131,072 slices.
 
+A group of saves made at every step of a decode with the same owners and rows (graph taps saving a
+trace's last token at 4 layers) is instead gathered, step after step, into one device buffer of
+:data:`RUN_STEPS` steps: a *run*, entered in the ledger as one chunk per name when it is full, when
+its trace is reported, or when another save of one of its names for one of its traces comes.
+
     ledger.add(trace, [("l3", rows)], owners=slots, starts=starts, stops=stops)     (numpy arrays)
+    ledger.run_rows(group, trace, ["l3"], slots, starts, stops, steps, ...)  -> where this step's rows go
     ledger.take(trace, [slot, ...]).assemble()  ->  [{"l3": tensor}, ...]   (take forgets them)
     ...assemble(batch.allocate)                  the same, gathered straight into a report file
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 import contextlib
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -152,6 +159,46 @@ class DeviceRoom:
             self.used -= nbytes
 
 
+# Steps of one run (SaveLedger.run_rows). Per step a run costs the gather into its buffer, where a
+# ledger entry cost a fresh tensor, a chunk per name and the ledger's bookkeeping (about 0.13 ms of
+# a 1B decode step of ops-save4 on an H200, 2026-12-04, bench/results/2026-12-04-h200-d441450/);
+# after the last step, the report plans over a few chunks per name instead of one per step (5 ms
+# for 512 chunks). 32 steps bound what a run leaves unused when its trace ends (at most 31 steps'
+# rows: 124 MiB for 4 layers of 256 invokes at the 1B shape, given back to the device room).
+RUN_STEPS = 32
+
+# The raw handle of the current CUDA stream: a run checks at every step that its gathers are queued
+# on a stream the ledger knows (reports wait for those), and torch.cuda.current_stream builds a
+# Stream object each time (0.04 ms a step under cProfile). Absent from CPU builds of torch.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _Run:
+    """One group's rows over consecutive steps, in ``buffer`` ([names, RUN_STEPS x rows, *row]):
+    step k's rows are ``buffer[:, k * rows : (k + 1) * rows]``, owner i's of them
+    ``starts[i]:stops[i]`` within the step's."""
+
+    __slots__ = ("key", "trace", "traces", "names", "owners", "starts", "stops", "rows", "buffer", "steps",
+                 "used", "room", "stream")
+
+    def __init__(self, key: object, trace: str | TraceOwners, names: list[str], owners: np.ndarray,
+                 starts: np.ndarray, stops: np.ndarray, buffer: torch.Tensor, room: int):
+        self.key, self.names = key, names
+        self.trace = trace if isinstance(trace, str) else None
+        self.traces = trace if isinstance(trace, TraceOwners) else None
+        self.owners, self.starts, self.stops = owners, starts, stops
+        self.rows = buffer.shape[1] // RUN_STEPS
+        self.buffer = buffer
+        self.steps: list[np.ndarray] = []  # each step's owners' generation steps
+        self.used = 0  # steps filled
+        self.room = room  # bytes taken from the device room (0 on a CPU)
+        self.stream = 0  # raw handle of the stream the gathers are queued on (0 on a CPU)
+
+    @property
+    def trace_names(self) -> list[str]:
+        return [self.trace] if self.traces is None else list(self.traces.numbers)
+
+
 class SaveLedger:
     """Every tensor of rows saved on this rank, by trace, until its invokes are reported."""
 
@@ -163,6 +210,8 @@ class SaveLedger:
         # streams rows were kept on (reports wait for them), by handle: a Stream's own hash builds a
         # torch.device, which this would do at every step
         self._device_streams: dict[int, torch.cuda.Stream] = {}
+        self._runs: dict[object, _Run] = {}  # open runs, by their group
+        self._open: dict[str, list[_Run]] = {}  # trace -> its open runs
 
     def add(self, trace: str | TraceOwners, named: list[tuple[str, torch.Tensor]], owners: np.ndarray,
             starts: np.ndarray, stops: np.ndarray, fresh: bool = False, steps: np.ndarray | None = None) -> None:
@@ -172,6 +221,8 @@ class SaveLedger:
         under each of them). ``fresh``: the values were made for this save and nothing else
         refers to them (no copy needed)."""
         traces = trace if isinstance(trace, TraceOwners) else None
+        if self._open:  # an owner's rows of a name stay in save order
+            self._close_crossing(list(traces.numbers) if traces is not None else [trace], {n for n, _ in named})
         chunks: list[SaveChunk] = [] if traces is not None else self._chunks[trace]
         first = named[0][1]
         if first.is_cuda and self._room.take(sum(value.nbytes for _name, value in named), first.device):
@@ -193,6 +244,90 @@ class SaveLedger:
         if traces is not None:
             for each in traces.numbers:
                 self._chunks[each].extend(chunks)
+
+    def run_rows(self, key: object, trace: str | TraceOwners, names: list[str], owners: np.ndarray,
+                 starts: np.ndarray, stops: np.ndarray, steps: np.ndarray, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """Where this step's rows of a group go that saves at every step (``key``: the group, the
+        same object at each of its steps, with the same ``owners``, ``starts`` and ``stops``; one
+        name's rows of a step are ``shape``, ``[rows, *row]``): a view ``[names, *shape]`` of its run, for the caller to fill now, on the current
+        stream; None if a run would not fit the device room (the caller adds the rows as usual).
+        ``steps``: each owner's generation step, as for :meth:`add`."""
+        run = self._runs.get(key)
+        if run is not None and run.used == RUN_STEPS:
+            self._close(run)
+            run = None
+        if run is None:
+            run = self._open_run(key, trace, names, owners, starts, stops, shape, dtype, device)
+            if run is None:
+                return None
+        elif len(self._runs) > 1:  # another group's run may hold rows of the same traces and names
+            self._close_crossing(run.trace_names, set(names), but=run)
+        if run.stream and _raw_stream(run.buffer.device.index) != run.stream:  # a stream reports do not wait for yet
+            stream = torch.cuda.current_stream(device)
+            self._device_streams.setdefault(stream.cuda_stream, stream)
+            run.stream = stream.cuda_stream
+        run.steps.append(steps)
+        k, run.used = run.used, run.used + 1
+        return run.buffer[:, k * run.rows : (k + 1) * run.rows]
+
+    def _open_run(self, key: object, trace: str | TraceOwners, names: list[str], owners: np.ndarray,
+                  starts: np.ndarray, stops: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> _Run | None:
+        shape = (len(names), RUN_STEPS * shape[0], *shape[1:])
+        room = 0
+        if device.type == "cuda":
+            room = math.prod(shape) * dtype.itemsize
+            if not self._room.take(room, device):
+                return None
+        with torch.inference_mode(False):  # normal tensors, as the hook path's saves are
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+        run = _Run(key, trace, names, owners, starts, stops, buffer, room)
+        if room:
+            stream = torch.cuda.current_stream(device)
+            self._device_streams.setdefault(stream.cuda_stream, stream)
+            run.stream = stream.cuda_stream
+        self._close_crossing(run.trace_names, set(names))
+        self._runs[key] = run
+        for each in run.trace_names:
+            self._open.setdefault(each, []).append(run)
+        return run
+
+    def _close_crossing(self, traces: list[str], names: set[str], but: _Run | None = None) -> None:
+        """Enter the open runs of ``traces`` that hold any of ``names`` (rows saved before the save
+        about to be made), all but ``but``."""
+        for trace in traces:
+            for run in list(self._open.get(trace, ())):
+                if run is not but and not names.isdisjoint(run.names):
+                    self._close(run)
+
+    def _close(self, run: _Run) -> None:
+        """Enter a run's rows in the ledger: one chunk per name, its step-major rows as if each
+        step had been added on its own (owners repeated once per step)."""
+        del self._runs[run.key]
+        for trace in run.trace_names:
+            runs = self._open[trace]
+            runs.remove(run)
+            if not runs:
+                del self._open[trace]
+        used, per_step = run.used, len(run.owners)
+        if run.room:  # the steps it never filled
+            self._room.give(run.room * (RUN_STEPS - used) // RUN_STEPS)
+        if not used:
+            return
+        shift = (np.arange(used, dtype=np.int64) * run.rows)[:, None]
+        owners = np.tile(run.owners, used)
+        starts, stops = (run.starts[None, :] + shift).reshape(-1), (run.stops[None, :] + shift).reshape(-1)
+        steps = np.concatenate(run.steps)
+        traces = run.traces
+        if traces is not None:  # each step's owners in the same order: their traces repeat alike
+            traces = TraceOwners(np.tile(traces.codes, used), traces.numbers, traces.firsts)
+        holds = 1 if run.room else 0
+        chunks = [SaveChunk(name, run.buffer[j, : used * run.rows], None, owners, starts, stops, len(owners),
+                            device_holds=holds, steps=steps, traces=traces)
+                  for j, name in enumerate(run.names)]
+        for trace in run.trace_names:
+            self._chunks[trace].extend(chunks)
 
     def retain(self, chunks: list[SaveChunk]) -> None:
         """One more holder of each chunk's memory (a report that will read it). A list at a
@@ -226,6 +361,8 @@ class SaveLedger:
         now been taken are dropped from the ledger. ``last_steps``: each owner's last step to
         keep (rows saved at later steps are let go of, not reported: steps whose tokens vLLM did
         not return, see Interleaver.finish); None or ``slots.ALL_STEPS``: all of them."""
+        for run in list(self._open.get(trace, ())):
+            self._close(run)
         wanted = np.array(owners, dtype=np.int64)
         chunks = self._chunks.pop(trace, [])
         # A lookup table by slot rather than np.isin per chunk (a tenth of the time): a sweep's

@@ -424,6 +424,8 @@ class TappedSaves:
         self.index = device_index(torch.from_numpy(flat), taps.saved.device)  # a blocking copy would wait for the GPU
         self.rows = device_index(torch.from_numpy(rows), taps.saved.device)  # of a wide forward's saves
         self.shape = (len(members), len(rows), taps.hidden_size)
+        self.steps_saved = 0  # steps this group saved at (from the second on, into a run: SaveLedger.run_rows)
+        self._scratch: torch.Tensor | None = None  # one step's rows on their way into a run
 
     def gather(self, taps: Taps) -> list[torch.Tensor]:
         with torch.inference_mode(False):  # normal tensors, as the hook path's saves are
@@ -432,6 +434,17 @@ class TappedSaves:
             saved = taps.saved
             rows = saved.view(-1, saved.shape[-1]).index_select(0, self.index).view(self.shape)
         return list(rows.unbind(0))
+
+    def gather_into(self, taps: Taps, into: torch.Tensor) -> None:
+        """This step's rows into ``into`` (``[saves, rows, hidden]``, a run's step: strided across
+        saves), through a buffer of the group's own (index_select writes only contiguous rows;
+        the next step's gather is queued behind this copy, so reusing it is safe)."""
+        saved = taps.saved
+        if self._scratch is None:
+            with torch.inference_mode(False):
+                self._scratch = torch.empty(len(self.index), saved.shape[-1], dtype=saved.dtype, device=saved.device)
+        torch.index_select(saved.view(-1, saved.shape[-1]), 0, self.index, out=self._scratch)
+        into.copy_(self._scratch.view(self.shape))
 
 
 def _tap_kernel():
