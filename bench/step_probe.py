@@ -7,6 +7,10 @@ it also reports synchronising CUDA calls made inside interlace's own code (torch
 mode, switched on only while interlace code runs), the usual reason a hook stalls vLLM's
 asynchronous scheduling.
 
+PROBE_GC_TYPES=1 counts the objects in Python's youngest generation, by type, whenever a collection
+starts (what a step leaves for the garbage collector); PROBE_NO_GC_PAUSE=1 leaves the collector on
+during steps that intervene (runner_hooks.CollectorPause), for an A/B.
+
 PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each check costs
 microseconds per call, which inflates the finer phases). PROBE_FINE=1 times a program per invoke's
 path part by part, and prints how many Python frames deep the engine is where it hands programs
@@ -213,8 +217,15 @@ def print_copy_sources(prof, top: int = 8) -> None:
         print(f"    {count:6d}x {kind} from {name}: {frames}")
 
 
+GC_TYPES: collections.Counter = collections.Counter()  # PROBE_GC_TYPES: objects in gen 0 when a collection starts
+
+
 def _gc_timer(phase: str, info: dict) -> None:
     if phase == "start":
+        if GC_TYPES is not None and os.environ.get("PROBE_GC_TYPES"):
+            import gc
+
+            GC_TYPES.update(type(o).__qualname__ for o in gc.get_objects(generation=0))
         TOTALS["_gc_started"] = time.perf_counter()
     else:
         TOTALS[f"python gc (gen {info['generation']})"] += time.perf_counter() - TOTALS.pop("_gc_started", time.perf_counter())
@@ -376,6 +387,9 @@ def install_probes() -> None:
             module.run_shallow = _frames_at(site, inner)
     if os.environ.get("PROBE_NO_PROLOGUE"):  # an A/B of prologue.py: every program starts at the step's start
         interleaver.prologue_of = lambda program: None
+    if os.environ.get("PROBE_NO_GC_PAUSE"):  # an A/B of runner_hooks.CollectorPause: the collector stays on
+        from interlace.workers import runner_hooks
+        runner_hooks.CollectorPause.pause = lambda self: None
     if os.environ.get("PROBE_NO_RUNS"):  # an A/B of runs (saves.py): tapped saves added to the ledger each step
         from interlace.workers import saves
         saves.SaveLedger.run_rows = lambda self, *args, **kwargs: None
@@ -657,7 +671,7 @@ def main() -> None:
             torch.set_num_threads(torch_threads)
             ablated = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
             TOTALS.clear(), CPU_TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear(), EVENTS.clear(), STEP_STARTS.clear()
-            DEPTHS.clear()
+            DEPTHS.clear(), GC_TYPES.clear()
             LAST_STEP_END[0] = None
             segments = _device_segments()
             if args.profile and not warm:
@@ -700,6 +714,9 @@ def main() -> None:
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)"
                       + (f"  thread CPU {CPU_TOTALS[label]:.3f} s" if label in CPU_TOTALS else ""))
             print_steps()
+            if GC_TYPES:
+                print("  objects in generation 0 when collections started (PROBE_GC_TYPES), most: "
+                      + ", ".join(f"{name} {n}" for name, n in GC_TYPES.most_common(25)))
             if DEPTHS:
                 print("  the engine's Python frames where it hands programs to the hub (most): "
                       + ", ".join(f"{site} {depth}" for site, depth in DEPTHS.items()))

@@ -48,6 +48,7 @@ from interlace.core.wire import Completion, Report
 from interlace.workers.flight import FOLDER as FLIGHT
 from interlace.workers.flight import culprit, read_records
 from interlace.workers.points import ModuleTree
+from interlace.workers.flight import close_recorder
 from interlace.workers.sink import DATA, close_sink, discard, read_new_reports
 
 DEFAULT_MAX_SAVE_BYTES = 1 << 30
@@ -121,6 +122,7 @@ class Model:
             shutdown_engine(self._engine)
             self._engine = None
         close_sink(f"dir:{self._sink_root}")  # an engine in this process kept its data files open here
+        close_recorder(f"dir:{self._sink_root}")  # and its flight record (workers/flight.py)
         shutil.rmtree(self._sink_root, ignore_errors=True)
 
     def __enter__(self) -> "Model":

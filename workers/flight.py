@@ -86,6 +86,11 @@ class FlightRecorder:
         """Control is back in interlace's code."""
         self._map[0] = IDLE
 
+    def close(self) -> None:
+        """Unmap the record and remove its file (its rank was shut down cleanly)."""
+        self._map.close()
+        self.path.unlink(missing_ok=True)
+
     def overran(self, entry: Entry) -> None:
         """The watchdog ends the process now: ``entry``'s program did not stop at its limit."""
         if entry is not self._written:
@@ -106,6 +111,15 @@ def recorder_for(sink: str) -> FlightRecorder | None:
         except OSError:
             _RECORDERS[sink] = None
     return _RECORDERS[sink]
+
+
+def close_recorder(sink: str) -> None:
+    """Let go of this process's recorder for ``sink``, if it has one: an engine run in the driver's
+    own process was shut down (see sink.close_sink), and its record would otherwise stay mapped
+    until the process ends."""
+    recorder = _RECORDERS.pop(sink, None)
+    if recorder is not None:
+        recorder.close()
 
 
 def entry_for(sink: str, trace: str, invoke: int, limit_s: float) -> Entry | None:
