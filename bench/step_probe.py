@@ -8,8 +8,7 @@ mode, switched on only while interlace code runs), the usual reason a hook stall
 asynchronous scheduling.
 
 PROBE_GC_TYPES=1 counts the objects in Python's youngest generation, by type, whenever a collection
-starts (what a step leaves for the garbage collector); PROBE_NO_GC_PAUSE=1 leaves the collector on
-during steps that intervene (runner_hooks.CollectorPause), for an A/B.
+starts (what a step leaves for the garbage collector).
 
 PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each check costs
 microseconds per call, which inflates the finer phases). PROBE_FINE=1 times a program per invoke's
@@ -387,9 +386,6 @@ def install_probes() -> None:
             module.run_shallow = _frames_at(site, inner)
     if os.environ.get("PROBE_NO_PROLOGUE"):  # an A/B of prologue.py: every program starts at the step's start
         interleaver.prologue_of = lambda program: None
-    if os.environ.get("PROBE_NO_GC_PAUSE"):  # an A/B of runner_hooks.CollectorPause: the collector stays on
-        from interlace.workers import runner_hooks
-        runner_hooks.CollectorPause.pause = lambda self: None
     if os.environ.get("PROBE_NO_RUNS"):  # an A/B of runs (saves.py): tapped saves added to the ledger each step
         from interlace.workers import saves
         saves.SaveLedger.run_rows = lambda self, *args, **kwargs: None

@@ -1,5 +1,5 @@
 """An engine core running in the driver's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, how
-people debug vLLM) still delivers reports, and leaves Python's garbage collector on between steps: nothing else steps it after ``generate()``, and
+people debug vLLM) still delivers reports: nothing else steps it after ``generate()``, and
 workers learn which requests finished only in a step. Reports of a trace's invokes that finish a
 step apart are written as one batch. A trace's results go with the user's last reference to them,
 and closing the model lets go of the rank's data files. Run in a child process so the engine's
@@ -31,24 +31,11 @@ def test_saves_arrive_from_an_in_process_engine():
                                  max_tokens=3, ignore_eos=True)
             print("SHAPE", tuple(out.saves["layers.1.resid"].shape), type(model.engine.llm_engine.engine_core).__name__)
 
-            # Python's garbage collector is off while a step intervenes, and on again after it,
-            # also after a program that raised (runner_hooks.CollectorPause)
-            def sees_collector(m):
-                m.save("collector", gc.isenabled())
-                m.layers[0].output
+            # a program ran here: closing the model lets go of its flight record too (below)
+            def reads(m):
+                m.save("h", m.layers[0].output)
 
-            def raises(m):
-                m.layers[0].output
-                raise ValueError("boom")
-
-            seen = model.generate("Hi", program=sees_collector, max_tokens=3, ignore_eos=True)
-            print("COLLECTOR IN STEPS", seen.saves["collector"], "AFTER", gc.isenabled())
-            try:
-                model.generate("Hi", program=raises, max_tokens=3, ignore_eos=True)
-                failed = False
-            except Exception as exc:  # the invoke's error, raised by generate
-                failed = "boom" in str(exc)
-            print("COLLECTOR AFTER A FAILED PROGRAM", failed, gc.isenabled())
+            model.generate("Hi", program=reads, max_tokens=2, ignore_eos=True)
 
             # Reports of a trace's invokes that finish in different steps are held and written as
             # one batch; with no time to wait, one batch per step. The invoke admitted meanwhile
@@ -87,8 +74,6 @@ def test_saves_arrive_from_an_in_process_engine():
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "SHAPE (3, 128) InprocClient" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "COLLECTOR IN STEPS [False, False, False] AFTER True" in done.stdout, done.stdout[-2000:]
-    assert "COLLECTOR AFTER A FAILED PROGRAM True True" in done.stdout, done.stdout[-2000:]
     # one trace each: held, its invokes' reports made one batch; not held, one per step an invoke finished in
     assert "BATCHES 60.0 1 1" in done.stdout and "BATCHES 0.0 1 3" in done.stdout, done.stdout[-2000:]
     assert "SAME ROWS True" in done.stdout, done.stdout[-2000:]
@@ -96,5 +81,6 @@ def test_saves_arrive_from_an_in_process_engine():
     # (a traceback vLLM keeps from its start held them for good)
     assert "KEPT AFTER DEL False" in done.stdout, done.stdout[-2000:]
     # The rank ran in this process: closing the model lets go of its data file (it used to stay
-    # mapped, and pinned on a GPU, until the process ended)
+    # mapped, and pinned on a GPU, until the process ended) and of the flight record its programs
+    # were run under (workers/flight.py)
     assert "MAPPED BEFORE True" in done.stdout and "MAPPED AFTER []" in done.stdout, done.stdout[-2000:]

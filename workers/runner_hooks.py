@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
 
 from interlace.workers.calls import error_record
@@ -105,11 +104,9 @@ def install(runner, all_modules: list[str]) -> Interleaver:
     original_sample = runner.sample_tokens
     state = {"in_step": False}
     kv_blocks = KVBlocks(runner)  # intervened requests' KV-cache blocks, zeroed when let go
-    collector = CollectorPause()  # off from a step's forward to its end while it intervenes
 
     @functools.wraps(original_execute)
     def execute_model(scheduler_output, intermediate_tensors=None, *args, **kwargs):
-        collector.resume()  # if the last step never reached its end
         counts = getattr(scheduler_output, OUTPUT_COUNTS, None)  # tokens each finished invoke returned
         if counts:
             inter.output_counts.update(counts)
@@ -146,14 +143,8 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             runs = scheduler_output.total_num_scheduled_tokens > 0
             switch.begin(eager=inter.active and not inter.tap_step and not inter.piece_step and runs,
                          taps=inter.tap_step and runs, pieces=inter.piece_step)
-        if state["in_step"]:
-            collector.pause()
-        try:
-            with switch.running() if switch is not None else contextlib.nullcontext():
-                output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
-        except BaseException:
-            collector.resume()
-            raise
+        with switch.running() if switch is not None else contextlib.nullcontext():
+            output = original_execute(scheduler_output, intermediate_tensors, *args, **kwargs)
         if switch is not None and switch.missed():
             _fail_all(inter, RuntimeError(f"a step that intervenes ran {switch.seen} instead of an eager forward, "
                                           "so interlace's hooks did not run; start the engine with enforce_eager=True"),
@@ -167,18 +158,14 @@ def install(runner, all_modules: list[str]) -> Interleaver:
             carry = _guard(inter, inter.end_step)
             if carry and hasattr(output, "tensors"):  # IntermediateTensors for the next stage
                 output.tensors.update(_guard(inter, pack, carry, rank["tp_size"], inter.device) or {})
-            collector.resume()
         return output
 
     @functools.wraps(original_sample)
     def sample_tokens(*args, **kwargs):
-        try:
-            output = original_sample(*args, **kwargs)
-            if state["in_step"]:
-                state["in_step"] = False
-                _guard(inter, inter.end_step)
-        finally:
-            collector.resume()
+        output = original_sample(*args, **kwargs)
+        if state["in_step"]:
+            state["in_step"] = False
+            _guard(inter, inter.end_step)
         return output
 
     def begin_step(_module, _args, _kwargs):
@@ -220,32 +207,6 @@ def _max_over(cpu_group):
         return tensor.numpy()
 
     return agree_max
-
-
-class CollectorPause:
-    """Python's cyclic garbage collector off from the forward of a step that intervenes to the
-    step's end (``pause``, ``resume``; resumed also when the forward raises, and by the next step
-    at the latest). Such a step keeps a few objects per program alive until it ends (read views,
-    holds, the tuples of their versions: about 1,300 at 256 programs), which crossed the youngest
-    generation's threshold of 700 once or twice a step: each collection walked them all and moved
-    them to an older generation, and about every hundredth walked the whole heap (12 ms on an H200
-    host, bench/results/2026-12-04-h200-f3c20c6/e-probe-each.log). They die by reference counting
-    when the step ends, so with the collector off the count falls back before any collection runs.
-    (vLLM freezes its start-up heap for the same reason: gc.freeze.) A collector that something
-    else turned off stays off."""
-
-    def __init__(self):
-        self.paused = False
-
-    def pause(self) -> None:
-        if not self.paused and gc.isenabled():
-            gc.disable()
-            self.paused = True
-
-    def resume(self) -> None:
-        if self.paused:
-            self.paused = False
-            gc.enable()
 
 
 def _give_blocks(kv_blocks: KVBlocks, scheduler_output) -> None:
