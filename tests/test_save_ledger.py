@@ -329,6 +329,23 @@ def test_a_group_saved_at_every_step_into_runs_reports_what_adding_each_step_rep
     assert len(results[True][7]["a"]) == 51
 
 
+def test_a_run_entered_before_it_is_full_keeps_only_its_filled_steps():
+    """A group that lasts a few steps (new arrivals end an epoch) fills a few of its run's 32
+    steps: its chunks hold a copy of those, not views of the whole buffer."""
+    ledger = SaveLedger()
+    owners, starts, stops = np.array([0, 1]), np.array([0, 1]), np.array([1, 2])
+    for step in range(3):
+        into = ledger.run_rows("group", "t", ["a", "b"], owners, starts, stops, np.full(2, step), (2, 4),
+                               torch.float32, torch.device("cpu"))
+        into.copy_(torch.full((2, 2, 4), float(step)))
+    taken = ledger.take("t", [0, 1])
+    step_bytes = 2 * 2 * 4 * 4
+    assert [chunk.rows.untyped_storage().nbytes() for parts in taken.parts.values() for chunk, _ in parts] == [
+        3 * step_bytes] * 2
+    zero, one = taken.assemble()
+    assert zero["a"][:, 0].tolist() == [0.0, 1.0, 2.0] and one["b"][:, 3].tolist() == [0.0, 1.0, 2.0]
+
+
 def test_runs_of_rows_saved_for_several_traces_go_to_each_trace_and_are_let_go_of_once():
     """A server's one-invoke traces saving at the same tap share one run (TraceOwners): each
     trace takes its own rows whichever finishes first, and every chunk is let go of once."""
@@ -375,6 +392,8 @@ def test_a_run_on_the_gpu_takes_its_steps_from_the_device_room_and_gives_them_al
                            values[0].device) is None  # no room for a second run
     taken = ledger.take("t", [0, 1])
     assert room.used == 5 * step_bytes  # the steps it filled, held by the report
+    assert all(chunk.rows.untyped_storage().nbytes() == 5 * step_bytes for parts in taken.parts.values()
+               for chunk, _ in parts)  # a copy of them: the 32-step buffer is not kept
     zero, one = taken.assemble()
     for name, j in (("a", 0), ("b", 1)):
         assert torch.equal(zero[name], torch.stack([v[j, 1] for v in values]).cpu())

@@ -163,8 +163,9 @@ class DeviceRoom:
 # ledger entry cost a fresh tensor, a chunk per name and the ledger's bookkeeping (about 0.13 ms of
 # a 1B decode step of ops-save4 on an H200, 2026-12-04, bench/results/2026-12-04-h200-d441450/);
 # after the last step, the report plans over a few chunks per name instead of one per step (5 ms
-# for 512 chunks). 32 steps bound what a run leaves unused when its trace ends (at most 31 steps'
-# rows: 124 MiB for 4 layers of 256 invokes at the 1B shape, given back to the device room).
+# for 512 chunks). 32 steps bound what a run holds beyond its filled steps while it is open (at
+# most 31 steps' rows: 124 MiB for 4 layers of 256 invokes at the 1B shape); a run entered before
+# it is full keeps a copy of its filled steps only, and gives the rest back to the device room.
 RUN_STEPS = 32
 
 # The raw handle of the current CUDA stream: a run checks at every step that its gathers are queued
@@ -322,9 +323,13 @@ class SaveLedger:
         traces = run.traces
         if traces is not None:  # each step's owners in the same order: their traces repeat alike
             traces = TraceOwners(np.tile(traces.codes, used), traces.numbers, traces.firsts)
+        rows = run.buffer
+        if used < RUN_STEPS:  # its filled steps only: views would keep the whole buffer, uncounted by the room
+            with torch.inference_mode(False):  # (a group that lasts two steps, as new arrivals end epochs, used 1/32 of it)
+                rows = run.buffer[:, : used * run.rows].clone()
         holds = 1 if run.room else 0
-        chunks = [SaveChunk(name, run.buffer[j, : used * run.rows], None, owners, starts, stops, len(owners),
-                            device_holds=holds, steps=steps, traces=traces)
+        chunks = [SaveChunk(name, rows[j], None, owners, starts, stops, len(owners), device_holds=holds, steps=steps,
+                            traces=traces)
                   for j, name in enumerate(run.names)]
         for trace in run.trace_names:
             self._chunks[trace].extend(chunks)
