@@ -400,3 +400,31 @@ def test_a_run_on_the_gpu_takes_its_steps_from_the_device_room_and_gives_them_al
         assert torch.equal(one[name], torch.stack([v[j, 0] for v in values]).cpu())
     taken.release()
     assert room.used == 0
+
+
+def test_runs_of_two_batches_of_one_trace_stay_open_while_their_steps_take_turns():
+    """Under pipeline parallelism a trace decodes as two batches whose steps alternate, each a
+    group saving the same names: their runs share no invoke, so both stay open (a run each, not
+    one closed at every step); a group that shares an invoke with an open run closes it first.
+    Each invoke's rows come back in save order either way."""
+    ledger = SaveLedger()
+    first, second = np.array([0, 1]), np.array([2, 3])
+    bounds = dict(starts=np.array([0, 1]), stops=np.array([1, 2]))
+    for step in range(6):
+        for key, owners in (("a", first), ("b", second)):
+            into = ledger.run_rows(key, "t", ["h"], owners, bounds["starts"], bounds["stops"], np.full(2, step), (2, 1),
+                                   torch.float32, torch.device("cpu"))
+            into.copy_((torch.tensor([[[0.0], [1.0]]]) + 10 * owners[0] + 100 * step))
+        assert len(ledger._runs) == 2
+    overlapping = np.array([1, 2])  # one invoke of each batch: both runs are entered before it
+    into = ledger.run_rows("c", "t", ["h"], overlapping, bounds["starts"], bounds["stops"], np.full(2, 6), (2, 1),
+                           torch.float32, torch.device("cpu"))
+    into.copy_(torch.tensor([[[-1.0], [-2.0]]]))
+    assert list(ledger._runs) == ["c"]
+    results = ledger.take("t", [0, 1, 2, 3]).assemble()
+    assert [r["h"].flatten().tolist() for r in results] == [
+        [100 * s for s in range(6)],
+        [1 + 100 * s for s in range(6)] + [-1.0],
+        [20 + 100 * s for s in range(6)] + [-2.0],
+        [21 + 100 * s for s in range(6)],
+    ]

@@ -180,7 +180,7 @@ class _Run:
     ``starts[i]:stops[i]`` within the step's."""
 
     __slots__ = ("key", "trace", "traces", "names", "owners", "starts", "stops", "rows", "buffer", "steps",
-                 "used", "room", "stream")
+                 "used", "room", "stream", "apart")
 
     def __init__(self, key: object, trace: str | TraceOwners, names: list[str], owners: np.ndarray,
                  starts: np.ndarray, stops: np.ndarray, buffer: torch.Tensor, room: int):
@@ -194,6 +194,7 @@ class _Run:
         self.used = 0  # steps filled
         self.room = room  # bytes taken from the device room (0 on a CPU)
         self.stream = 0  # raw handle of the stream the gathers are queued on (0 on a CPU)
+        self.apart: set[int] = set()  # ids of other open runs known to share no owner with this one
 
     @property
     def trace_names(self) -> list[str]:
@@ -223,7 +224,7 @@ class SaveLedger:
         refers to them (no copy needed)."""
         traces = trace if isinstance(trace, TraceOwners) else None
         if self._open:  # an owner's rows of a name stay in save order
-            self._close_crossing(list(traces.numbers) if traces is not None else [trace], {n for n, _ in named})
+            self._close_crossing(list(traces.numbers) if traces is not None else [trace], {n for n, _ in named}, owners)
         chunks: list[SaveChunk] = [] if traces is not None else self._chunks[trace]
         first = named[0][1]
         if first.is_cuda and self._room.take(sum(value.nbytes for _name, value in named), first.device):
@@ -262,8 +263,8 @@ class SaveLedger:
             run = self._open_run(key, trace, names, owners, starts, stops, shape, dtype, device)
             if run is None:
                 return None
-        elif len(self._runs) > 1:  # another group's run may hold rows of the same traces and names
-            self._close_crossing(run.trace_names, set(names), but=run)
+        elif len(self._runs) > 1:  # another group's run may hold rows of the same invokes and names
+            self._close_crossing(run.trace_names, set(names), owners, but=run)
         if run.stream and _raw_stream(run.buffer.device.index) != run.stream:  # a stream reports do not wait for yet
             stream = torch.cuda.current_stream(device)
             self._device_streams.setdefault(stream.cuda_stream, stream)
@@ -288,24 +289,33 @@ class SaveLedger:
             stream = torch.cuda.current_stream(device)
             self._device_streams.setdefault(stream.cuda_stream, stream)
             run.stream = stream.cuda_stream
-        self._close_crossing(run.trace_names, set(names))
+        self._close_crossing(run.trace_names, set(names), owners, but=run)
         self._runs[key] = run
         for each in run.trace_names:
             self._open.setdefault(each, []).append(run)
         return run
 
-    def _close_crossing(self, traces: list[str], names: set[str], but: _Run | None = None) -> None:
-        """Enter the open runs of ``traces`` that hold any of ``names`` (rows saved before the save
-        about to be made), all but ``but``."""
+    def _close_crossing(self, traces: list[str], names: set[str], owners: np.ndarray, but: _Run | None = None) -> None:
+        """Enter the open runs of ``traces`` that hold rows of any of ``owners`` under any of
+        ``names`` (saved before the save about to be made, which must come after them), all but
+        ``but``. Runs of other owners stay open: under pipeline parallelism a trace decodes as two
+        batches whose steps take turns, each a group of its own saving the same names."""
         for trace in traces:
             for run in list(self._open.get(trace, ())):
-                if run is not but and not names.isdisjoint(run.names):
-                    self._close(run)
+                if run is but or names.isdisjoint(run.names) or id(run) in (but.apart if but else ()):
+                    continue
+                if not np.isin(owners, run.owners).any():
+                    if but is not None:
+                        but.apart.add(id(run))
+                    continue
+                self._close(run)
 
     def _close(self, run: _Run) -> None:
         """Enter a run's rows in the ledger: one chunk per name, its step-major rows as if each
         step had been added on its own (owners repeated once per step)."""
         del self._runs[run.key]
+        for other in self._runs.values():  # its id may be another run's later
+            other.apart.discard(id(run))
         for trace in run.trace_names:
             runs = self._open[trace]
             runs.remove(run)
