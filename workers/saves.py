@@ -250,11 +250,12 @@ class SaveLedger:
     def run_rows(self, key: object, trace: str | TraceOwners, names: list[str], owners: np.ndarray,
                  starts: np.ndarray, stops: np.ndarray, steps: np.ndarray, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """Where this step's rows of a group go that saves at every step (``key``: the group, the
-        same object at each of its steps, with the same ``owners``, ``starts`` and ``stops``; one
-        name's rows of a step are ``shape``, ``[rows, *row]``): a view ``[names, *shape]`` of its run, for the caller to fill now, on the current
-        stream; None if a run would not fit the device room (the caller adds the rows as usual).
-        ``steps``: each owner's generation step, as for :meth:`add`."""
+        """Where this step's rows of a group go that saves at every step: a view ``[names, *shape]``
+        of its run, for the caller to fill now, on the current stream; None if a run would not fit
+        the device room (the caller adds the rows as usual). ``key``: the group, the same object at
+        each of its steps, with the same ``owners``, ``starts`` and ``stops``; ``shape``: one
+        name's rows of a step, ``[rows, *row]``; ``steps``: each owner's generation step, as for
+        :meth:`add`."""
         run = self._runs.get(key)
         if run is not None and run.used == RUN_STEPS:
             self._close(run)
@@ -321,7 +322,7 @@ class SaveLedger:
             runs.remove(run)
             if not runs:
                 del self._open[trace]
-        used, per_step = run.used, len(run.owners)
+        used = run.used
         if run.room:  # the steps it never filled
             self._room.give(run.room * (RUN_STEPS - used) // RUN_STEPS)
         if not used:
