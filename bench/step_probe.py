@@ -53,6 +53,7 @@ DEPTHS: dict[str, int] = {}  # PROBE_FINE: the engine's frame depth where progra
 EVENTS: list[tuple[str, float, float]] = []  # (label, start, end) of every timed call, for the tail's timeline
 STEPS: list[tuple[int, float, float]] = []  # per runner step: tokens scheduled, wall seconds, engine thread CPU seconds
 STEP_STARTS: list[tuple[int, int]] = []  # per runner step: tokens scheduled, time.time_ns() at its start (--timeline)
+STEP_PERF: list[tuple[int, float]] = []  # the same, time.perf_counter() (the clock of EVENTS)
 
 
 def timed(owner, name: str, label: str, debug_sync: bool = True) -> None:
@@ -114,6 +115,7 @@ def time_steps(owner) -> None:
     def wrapper(self, scheduler_output, *args, **kwargs):
         wall, cpu = time.perf_counter(), time.thread_time()
         STEP_STARTS.append((getattr(scheduler_output, "total_num_scheduled_tokens", 0), time.time_ns()))
+        STEP_PERF.append((STEP_STARTS[-1][0], wall))
         if PROFILE[0] is not None:
             PROFILE[0].enable()
         try:
@@ -155,6 +157,27 @@ def print_steps() -> None:
     slowest = np.argsort(-wall)[:5]
     print("  slowest steps (index, tokens, wall ms, cpu ms): "
           + ", ".join(f"({i}, {tokens[i]}, {1000 * wall[i]:.1f}, {1000 * cpu[i]:.1f})" for i in sorted(slowest)))
+
+
+def print_decode_parts(top: int = 16) -> None:
+    """The median time of each timed call per decode step (from one runner step's start to the
+    next's, both decode steps): the averages above mix in the prefill steps, which differ between
+    cases (an intervened request's prompt skips the prefix cache)."""
+    import numpy as np
+
+    pairs = [(a[1], b[1]) for a, b in zip(STEP_PERF, STEP_PERF[1:]) if 0 < a[0] <= 512 and 0 < b[0] <= 512]
+    if not pairs:
+        return
+    starts, ends = (np.array(column) for column in zip(*pairs))
+    per: dict[str, np.ndarray] = collections.defaultdict(lambda: np.zeros(len(pairs)))
+    for label, started, ended in EVENTS:
+        k = int(np.searchsorted(starts, started, side="right")) - 1
+        if k >= 0 and started < ends[k]:
+            per[label][k] += ended - started
+    rows = sorted(((float(np.median(v)) * 1000, label) for label, v in per.items()), reverse=True)[:top]
+    print(f"  per decode step ({len(pairs)}, start to next start), median ms: whole {1000 * np.median(ends - starts):.3f}")
+    for ms, label in rows:
+        print(f"    {ms:8.3f}  {label.strip()}")
 
 
 def print_timeline(events, seconds: float, top: int = 12) -> None:
@@ -227,8 +250,11 @@ def _gc_timer(phase: str, info: dict) -> None:
             GC_TYPES.update(type(o).__qualname__ for o in gc.get_objects(generation=0))
         TOTALS["_gc_started"] = time.perf_counter()
     else:
-        TOTALS[f"python gc (gen {info['generation']})"] += time.perf_counter() - TOTALS.pop("_gc_started", time.perf_counter())
-        COUNTS[f"python gc (gen {info['generation']})"] += 1
+        label, ended = f"python gc (gen {info['generation']})", time.perf_counter()
+        started = TOTALS.pop("_gc_started", ended)
+        TOTALS[label] += ended - started
+        COUNTS[label] += 1
+        EVENTS.append((label, started, ended))
 
 
 def _add(label: str, seconds: float) -> None:
@@ -667,6 +693,7 @@ def main() -> None:
             torch.set_num_threads(torch_threads)
             ablated = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
             TOTALS.clear(), CPU_TOTALS.clear(), COUNTS.clear(), SYNCS.clear(), STEPS.clear(), EVENTS.clear(), STEP_STARTS.clear()
+            STEP_PERF.clear()
             DEPTHS.clear(), GC_TYPES.clear()
             LAST_STEP_END[0] = None
             segments = _device_segments()
@@ -710,6 +737,7 @@ def main() -> None:
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)"
                       + (f"  thread CPU {CPU_TOTALS[label]:.3f} s" if label in CPU_TOTALS else ""))
             print_steps()
+            print_decode_parts()
             if GC_TYPES:
                 print("  objects in generation 0 when collections started (PROBE_GC_TYPES), most: "
                       + ", ".join(f"{name} {n}" for name, n in GC_TYPES.most_common(25)))
