@@ -210,9 +210,7 @@ class PointDispatcher:
             # its version counter shows an in-place edit (write_log.py). Also for an invoke that
             # keeps no log (never preempted): a late edit fails alike whatever the cache holds.
             value, copy = _own_copy(value), True
-        in_copy = split is None and access.in_copy(point, rows)
-        ctx.holds.live.append(Held(point, value, (value._version,) if in_copy else versions(value), access, rows,
-                                   split, copy, in_copy))
+        ctx.holds.live.append(Held(point, value, versions(value), access, rows, split, copy))
         if call.unstarted:  # its first point, known without running it (prologue.py)
             call.start_at(point, value)
         else:
@@ -241,24 +239,14 @@ class PointDispatcher:
         try:
             edited = None  # the value just written back for an in-place edit
             for held in ctx.holds.live:
-                if held.in_copy:  # a program per invoke's view of a tap's copy: its counter alone, at 256 a step
-                    now = (held.value._version,)
-                    if now == held.versions:
-                        continue
-                    held.written = held.value
-                    if not held.access.keeps(held.value):  # the copy was let go since: write the edit
-                        held.access.write(held.point, held.rows, held.written)
-                elif held.copy:
+                if held.copy:
                     now = versions(held.value)
-                    if now == held.versions and -1 not in now:
-                        continue
-                    held.written = _local(held.split, held.value)
-                    held.access.write(held.point, held.rows, held.written)
-                else:
-                    continue
-                held.versions = now  # edited in place (or no counter to tell): written back
-                call.writes += 1
-                edited = held
+                    if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
+                        held.written = _local(held.split, held.value)
+                        held.access.write(held.point, held.rows, held.written)
+                        held.versions = now
+                        call.writes += 1
+                        edited = held
             write = call.view._take_write()
             if write is not None:
                 point, value = write

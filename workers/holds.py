@@ -40,7 +40,6 @@ class Held:
     rows: Any  # the call's Rows at this point
     split: Any  # the tensor-parallel split of the value (None: whole on every rank)
     copy: bool  # not a view of the hook's tensors: in-place edits must be written back
-    in_copy: bool = False  # a view of the rows of a tap's one copy (TapAccess): edits are in it already
     written: Any = None  # what was last written back here (this rank's piece): its rows go to the write log
 
 

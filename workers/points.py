@@ -287,15 +287,6 @@ class PointAccess:
         them as they are, without another copy)."""
         return self.is_copy(point, rows)
 
-    def in_copy(self, point: Point, rows: Rows) -> bool:
-        """Whether reads are views of one copy of the value that this access writes back itself
-        (TapAccess), so that an in-place edit of one needs no write of its own."""
-        return False
-
-    def keeps(self, value: Any) -> bool:
-        """Whether ``value``, read where :meth:`in_copy` holds, is still a view of that copy."""
-        return False
-
     def result(self) -> Any:
         return self.hooked
 
@@ -356,14 +347,7 @@ class TapAccess(PointAccess):
         return True
 
     def is_fresh(self, point: Point, rows: Rows) -> bool:
-        return not self.in_copy(point, rows)
-
-    def in_copy(self, point: Point, rows: Rows) -> bool:
-        return self._shared(point) and isinstance(rows.index, slice)
-
-    def keeps(self, value: Any) -> bool:
-        # A write to a point the copy does not cover lets the copy go (write): later reads make another
-        return self._copy is not None and value._base is self._copy
+        return not self._shared(point) or not isinstance(rows.index, slice)  # a view of the shared copy is not
 
     def result(self) -> Any:
         self._give_back()
