@@ -302,8 +302,14 @@ def _wake_waiters_when_the_engine_dies(client, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="interlace-engine-death-watch", daemon=True).start()
 
 
-async def start_async_engine(cfg: ModelConfig, **overrides: Any):
-    """Start a ``vllm.v1.engine.async_llm.AsyncLLM`` for ``cfg`` with interlace installed."""
+async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overrides: Any):
+    """Start a ``vllm.v1.engine.async_llm.AsyncLLM`` for ``cfg`` with interlace installed.
+
+    ``keep_stats``: keep the engine's latest scheduler stats in ``engine.interlace_latest_stats``
+    (Serve's KV-cache gauge). Otherwise the engine keeps no stats, as ``vllm.LLM`` does: an
+    ``AsyncLLM`` made from a config logs them by default, and its default loggers (a Prometheus
+    histogram observation per generated token, a log line every few seconds) run in the
+    front-end's loop at every step, which on a compiled 1B engine is about as long as the step."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -325,9 +331,10 @@ async def start_async_engine(cfg: ModelConfig, **overrides: Any):
         vllm_config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
         if cpu_ranks_on_ray:
             _cpu_ranks_on_ray(vllm_config.parallel_config)
-        engine = AsyncLLM.from_vllm_config(vllm_config, usage_context=UsageContext.LLM_CLASS,
-                                           stat_loggers=[_stats_keeper(latest)])
-    engine.interlace_latest_stats = latest  # {"scheduler": SchedulerStats}: KV-cache use for metrics
+        # disable_log_stats: no default loggers; a custom one (keep_stats) turns stats on alone
+        engine = AsyncLLM.from_vllm_config(vllm_config, usage_context=UsageContext.LLM_CLASS, disable_log_stats=True,
+                                           stat_loggers=[_stats_keeper(latest)] if keep_stats else None)
+    engine.interlace_latest_stats = latest  # {"scheduler": SchedulerStats}: KV-cache use for metrics (keep_stats)
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))
     return engine

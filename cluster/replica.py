@@ -142,7 +142,7 @@ class Replica:
             self._inbox, name = ReportInbox.start(self.sink_root)
             self.sink = f"ray:{context.get_node_id()}:{context.namespace}:{name}:{self.sink_root}"
         try:
-            engine = await start_async_engine(self.config, **overrides)
+            engine = await start_async_engine(self.config, keep_stats=self.state is not None, **overrides)
             self._module_names = all_module_names(await engine.collective_rpc("interlace_module_names"))
         except BaseException:
             self._starting = None  # the next caller tries again
