@@ -227,7 +227,8 @@ def files(mib: int) -> None:
 
     import numpy as np
 
-    from interlace.workers.saves import SaveChunk, TakenSaves
+    from interlace.workers.save_gather import TakenSaves
+    from interlace.workers.saves import SaveChunk
     from interlace.workers.sink import DirSink, discard, read_new_reports
 
     nbytes = mib * 2**20

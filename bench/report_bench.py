@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from interlace.workers.saves import SaveChunk, TakenSaves
+from interlace.workers.save_gather import TakenSaves
+from interlace.workers.saves import SaveChunk
 from interlace.workers.sink import DirSink, read_new_reports
 
 

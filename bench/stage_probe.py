@@ -45,7 +45,7 @@ def _install(worker, check_syncs: bool = False) -> int:
 
     import torch
 
-    from interlace.workers import dispatch, interleaver, reports, saves, step_schedule, taps
+    from interlace.workers import dispatch, interleaver, reports, save_gather, saves, step_schedule, taps
 
     if getattr(worker, "_stage_probe", None) is not None:
         return os.getpid()
@@ -96,7 +96,7 @@ def _install(worker, check_syncs: bool = False) -> int:
     timed(reports.ReportBatcher, "submit", "  finish: a held batch handed over")
     timed(saves.SaveLedger, "take", "  finish: ledger.take")
     timed(reports, "_write_reports", "reporter: a batch written")
-    timed(saves.TakenSaves, "assemble", "  reporter: gather and copy")
+    timed(save_gather.TakenSaves, "assemble", "  reporter: gather and copy")
     timed(taps.Taps, "fill", "  begin_step: taps.fill")
     timed(step_schedule.StepScheduler, "_schedule_afresh", "  begin_step: batch built afresh")  # a new epoch
     for phase in ("prepare_inputs", "sample", "postprocess_sampled"):  # vLLM's own (V2 runner names)

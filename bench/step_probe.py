@@ -323,7 +323,8 @@ def install_probes() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
     from interlace import model as driver_model
-    from interlace.workers import (calls, dispatch, interleaver, ops, pinned, program_services, report_file, reports, saves,
+    from interlace.workers import (calls, dispatch, interleaver, ops, pinned, program_services, report_file, reports,
+                                   save_gather, saves,
                                    scheduler, step_schedule, write_log)
     from interlace.workers import taps as taps_module
 
@@ -435,7 +436,7 @@ def install_probes() -> None:
     probe_handoffs()
     timed(saves, "host_copy", "saves.host_copy")
     timed(saves.SaveLedger, "take", "reports: ledger.take")
-    timed(saves.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
+    timed(save_gather.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
     timed(reports, "_write_reports", "reports: a batch, header and copies included (reporter)", debug_sync=False)
     timed(report_file.ReportFileWriter, "allocate", "  gather: region of the data file", debug_sync=False)
     timed(saves, "_plan", "  gather: plan", debug_sync=False)

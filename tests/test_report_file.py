@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from interlace.workers.saves import SaveChunk, TakenSaves
+from interlace.workers.save_gather import TakenSaves
+from interlace.workers.saves import SaveChunk
 from interlace.workers import sink as sink_module
 from interlace.workers.sink import DATA, DirSink, discard, read_new_reports
 
@@ -480,7 +481,8 @@ def test_a_script_that_ends_holding_read_results_exits_quietly(tmp_path):
 
     script = f"""
 import numpy as np, torch
-from interlace.workers.saves import SaveChunk, TakenSaves
+from interlace.workers.save_gather import TakenSaves
+from interlace.workers.saves import SaveChunk
 from interlace.workers import sink as sink_module
 from interlace.workers.sink import DATA, DirSink, discard, read_new_reports
 rows = torch.ones(8, 4)

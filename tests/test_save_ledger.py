@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TakenSaves, TraceOwners
+from interlace.workers.save_gather import TakenSaves
+from interlace.workers.saves import DeviceRoom, SaveChunk, SaveLedger, TraceOwners
 from interlace.workers.slots import ALL_STEPS
 
 
@@ -91,11 +92,11 @@ def test_rows_saved_for_several_traces_at_once_go_to_each_trace_and_are_let_go_o
 
 
 def test_a_gather_on_the_device_copies_only_the_span_of_each_chunk_it_takes_rows_from():
-    """On a GPU one name's rows are concatenated and put in order there (saves._gather_on_device,
+    """On a GPU one name's rows are concatenated and put in order there (save_gather._gather_on_device,
     run here on host tensors, which takes the same steps): only each chunk's span that holds the
     report's rows is concatenated, so a trace's report from chunks saved for many traces copies
     its own rows, in order, and nothing else."""
-    from interlace.workers import saves
+    from interlace.workers import save_gather
 
     ledger = SaveLedger()
     owners, traces = np.array([0, 1, 2, 3]), TraceOwners.of(["a", "b", "b", "c"])
@@ -103,14 +104,14 @@ def test_a_gather_on_the_device_copies_only_the_span_of_each_chunk_it_takes_rows
         rows = torch.arange(6 * 2, dtype=torch.float32).reshape(6, 2) + 100 * step
         ledger.add(traces, [("x", rows)], owners=owners, starts=np.array([0, 1, 3, 5]), stops=np.array([1, 3, 5, 6]))
     taken = ledger.take("b", [2, 1])
-    plan = saves._plan(taken.parts["x"], taken.wanted)
-    assert saves._spans(plan.row_chunk, plan.row_source, len(plan.chunks))[0].tolist() == [1, 1, 1]
+    plan = save_gather._plan(taken.parts["x"], taken.wanted)
+    assert save_gather._spans(plan.row_chunk, plan.row_source, len(plan.chunks))[0].tolist() == [1, 1, 1]
     out = torch.empty(plan.shape)
     concatenated = []
     cat = torch.cat
     try:
         torch.cat = lambda tensors: (concatenated.extend(len(t) for t in tensors), cat(tensors))[1]
-        saves._gather_on_device(plan, out)
+        save_gather._gather_on_device(plan, out)
     finally:
         torch.cat = cat
     assert concatenated == [4, 4, 4]  # rows 1-4 of each 6-row chunk

@@ -17,7 +17,8 @@ from typing import Any, Iterable
 
 from interlace.workers.calls import error_record
 from interlace.workers.reporter import Reporter
-from interlace.workers.saves import HostRows, SaveLedger, TakenSaves
+from interlace.workers.save_gather import TakenSaves
+from interlace.workers.saves import HostRows, SaveLedger
 from interlace.workers.sink import open_sink
 from interlace.workers.slots import SlotTable
 from interlace.workers.states import InvokeState
