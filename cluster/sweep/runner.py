@@ -303,6 +303,7 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
 
     bundles = replica_bundles(cfg.cluster)
     groups = _spread_groups(cfg, bundles) if is_spread(bundles) else None
+    names = f"interlace-sweep-{os.urandom(6).hex()}"  # this stream's pool actors: {names}-0, -1, ...
     if groups is None:
         check_fits_a_node(cfg.cluster)  # an actor no node can hold would leave the pool waiting forever
     size = cfg.shard_size
@@ -315,7 +316,7 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
                                            max_tasks_in_flight_per_actor=cfg.shards_in_flight,
                                            max_concurrent_calls_per_actor=cfg.shards_in_flight,
                                            enable_true_multi_threading=True),
-        ray_remote_args_fn=_slot_args(cfg, groups), **_actor_resources(cfg, spread=groups is not None))
+        ray_remote_args_fn=_slot_args(cfg, groups, names), **_actor_resources(cfg, spread=groups is not None))
     failures = sum(rec["failures"] for rec in manifest["shards"].values())
     rows_iter = results.iter_rows()
     last_write = 0.0
@@ -340,6 +341,7 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     finally:
         with contextlib.suppress(Exception):
             rows_iter.close()  # stops the pool (early stop or error)
+        _kill_left_over(names)
         for group in groups or ():  # after the pool: its actors and their engines' ranks live in them
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group)
@@ -367,26 +369,43 @@ def _stop(out: SweepStore, manifest: dict, why: str) -> None:
     raise SweepStopped(f"sweep stopped: {why}")
 
 
-def _slot_args(cfg: SweepConfig, groups: list | None = None) -> Callable[[], dict]:
-    """Per actor: its pool slot (and, for CPU engines, that slot's cores), in its environment;
-    for a spread replica, the slot's placement group too (the actor in its first bundle)."""
+def _slot_args(cfg: SweepConfig, groups: list | None, names: str) -> Callable[[], dict]:
+    """Per actor: its name (``names`` and a number: see :func:`_kill_left_over`), its pool slot
+    (and, for CPU engines, that slot's cores) in its environment; for a spread replica, the slot's
+    placement group too (the actor in its first bundle)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     counter = iter(range(1 << 30))
 
     def args() -> dict:
-        slot = next(counter) % cfg.cluster.replicas
+        n = next(counter)
+        slot = n % cfg.cluster.replicas
         env = {"INTERLACE_SWEEP_SLOT": str(slot)}
         if cfg.cluster.cpu_cores:
             env["INTERLACE_CPU_CORES"] = ",".join(map(str, cfg.cluster.cpu_cores[slot % len(cfg.cluster.cpu_cores)]))
         if groups is None:
-            return {"runtime_env": {"env_vars": env}}
+            return {"name": f"{names}-{n}", "runtime_env": {"env_vars": env}}
         # The replica's engine sees the group as its own (Replica._spread) and starts its ranks in
         # the bundles through vLLM's Ray executor, as a Cluster's spread replica does.
-        return {"runtime_env": {"env_vars": env}, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            groups[slot], placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
+        return {"name": f"{names}-{n}", "runtime_env": {"env_vars": env},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    groups[slot], placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
 
     return args
+
+
+def _kill_left_over(names: str) -> None:
+    """Kill a finished stream's pool actors that are still alive. Ray restarts a replica lost with
+    its node on a node left (the actors restart: a replica whose engine died comes back), and Ray
+    Data, giving up on the stream, does not always kill the actor it was restarting; that actor
+    then held the one slot the next stream's actor needed, and the next stream waited for it until
+    its wait for replicas ran out (tests/test_multinode.py, 2026-12-04: 15 minutes, then failed)."""
+    import ray
+
+    for name in ray.util.list_named_actors():
+        if name.startswith(f"{names}-"):
+            with contextlib.suppress(Exception):  # gone meanwhile
+                ray.kill(ray.get_actor(name), no_restart=True)
 
 
 def _spread_groups(cfg: SweepConfig, bundles: list[dict[str, float]]) -> list:
