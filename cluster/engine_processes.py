@@ -38,9 +38,16 @@ _context: ForkServerContext | None = None
 
 
 def _run_in_callers_environment(env: dict[str, str], target: Callable, args: tuple, kwargs: dict) -> Any:
-    """In the forked child: the caller's environment, then vLLM's target."""
-    os.environ.clear()
-    os.environ.update(env)
+    """In the forked child: the caller's environment, then vLLM's target.
+
+    Only what differs is changed: emptied first, the environment no longer follows the process's
+    arguments in memory, and ``setproctitle`` can no longer rename the process (vLLM's
+    ``VLLM::EngineCore`` and ``VLLM::Worker`` stayed the fork server's command line in ``ps``)."""
+    for name in set(os.environ) - set(env):
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
     return target(*args, **kwargs)
 
 
