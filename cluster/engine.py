@@ -314,6 +314,8 @@ async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overr
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if settings.device() == "cpu":
+        fork_engine_cores()  # from the server the replica started as it started (start_fork_server)
     prepare_environment(cfg)
     # vllm.LLM's batch defaults, as interlace.Model gets them: vLLM sizes max_num_seqs and
     # max_num_batched_tokens by usage context, and an AsyncLLM's own context falls back to the

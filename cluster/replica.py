@@ -35,6 +35,7 @@ from typing import Any
 from interlace.cluster.assembly import ReportWatcher, build_requests
 from interlace.cluster.config import ClusterConfig, ModelConfig
 from interlace.cluster.engine import all_module_names, shutdown_engine, start_async_engine
+from interlace.cluster.engine_processes import start_fork_server
 from interlace.cluster.janitor import remove_on_exit
 from interlace.cluster.placement import host_actor_options
 from interlace.cluster.serve.state import SharedState
@@ -61,6 +62,8 @@ class Replica:
         """``collector``: the name of the collector actor its reports go to. A name, not a handle:
         Ray cannot promise to restart an actor whose constructor was given an actor handle (its
         arguments are then held by reference, ray-project/ray#53727)."""
+        if settings.device() == "cpu":
+            start_fork_server()  # its import of vLLM runs beside this process's, before ready() needs it
         self.config = ModelConfig.model_validate(config)
         self.index = index
         self.collector_name = collector

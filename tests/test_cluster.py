@@ -213,9 +213,10 @@ def test_restarting_the_collector_mid_run_reruns_its_traces_exactly_once(cluster
 
 
 def _engine_core(replica_pid: int) -> int:
-    children = psutil.Process(replica_pid).children()
+    # Among all descendants: on a CPU the replica's fork server forks it (cluster/engine_processes.py).
+    children = psutil.Process(replica_pid).children(recursive=True)
     named = [c for c in children if "EngineCore" in c.name() + " ".join(c.cmdline())]
-    return (named or children)[0].pid
+    return (named or psutil.Process(replica_pid).children())[0].pid
 
 
 def _shared_memory(pid: int) -> set[str]:
