@@ -66,16 +66,22 @@ def ray_cluster():
     assert not ray_engines(), "engines left behind after Ray stopped"
 
 
+def ray_actor_of(pid: int) -> psutil.Process | None:
+    """The Ray worker (``ray::...``) a process runs under, if any: an engine core is its replica
+    actor's child, or its fork server's (cluster/engine_processes.py); the session's Model
+    engines are under this process's own fork server, not under Ray."""
+    return next((p for p in psutil.Process(pid).parents() if p.name().startswith("ray::")), None)
+
+
 def ray_engines(wait_s: float = 30.0) -> list[int]:
-    """vLLM engine processes still under this process's Ray after up to ``wait_s`` (the session's
-    Model engine is a direct child, not under Ray)."""
+    """vLLM engine processes still under this process's Ray after up to ``wait_s``."""
     deadline = time.monotonic() + wait_s
     while True:
         found = []
         for proc in psutil.Process().children(recursive=True):
             try:
-                if proc.ppid() != os.getpid() and proc.status() != psutil.STATUS_ZOMBIE \
-                        and "EngineCore" in " ".join(proc.cmdline() or [proc.name()]):
+                if proc.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(proc.cmdline() or [proc.name()]) \
+                        and ray_actor_of(proc.pid) is not None:
                     found.append(proc.pid)
             except psutil.Error:
                 continue
@@ -177,7 +183,7 @@ def kill_an_engine_after_the_first_shard(out: Path, killed: list[int]) -> None:
         time.sleep(0.05)
     engines = ray_engines(wait_s=0)
     if engines:
-        actors.extend(psutil.Process(pid).ppid() for pid in engines)  # the pool's actors now
+        actors.extend(ray_actor_of(pid).pid for pid in engines)  # the pool's actors now
         os.kill(engines[0], signal.SIGKILL)
         killed.append(engines[0])
 
