@@ -238,10 +238,17 @@ class Replica:
         watcher.poll()
         while not watcher.done:
             await asyncio.sleep(_POLL_S)
-            if self._death is not None:
-                raise _EngineGone()
+            self._raise_if_engine_gone()
             watcher.poll()
         return watcher
+
+    def _raise_if_engine_gone(self) -> None:
+        """A shard waiting on reports, not on the engine, learns here that the engine died: its
+        generation had ended, so no EngineDeadError reaches it. A rank killed while writing a batch
+        leaves its ``.partial-`` file, which keeps the watcher's grace open for ever
+        (``writing_reports``): without this, a sweep's shard runner waited on it until killed."""
+        if self._death is not None or getattr(self._engine, "errored", False):
+            raise _EngineGone()
 
     def _collector_handle(self):
         import ray
@@ -298,7 +305,7 @@ class Replica:
             watcher = await self._watch(task, set(task.expected()))
             return ShardOutcome([Completion.from_vllm(out) for out in outputs], self._take_reports(task, watcher),
                                 started, _first_token_s(outputs))
-        except EngineDeadError:
+        except (EngineDeadError, _EngineGone):
             self._die(f"engine died while running shard {task.wire_trace}")
         finally:
             self.in_flight -= 1
@@ -358,6 +365,7 @@ class Replica:
                 waiting = finished.keys() - sent
                 if not waiting:
                     continue  # reports are read once an invoke finished (a folder listing per event cost the loop)
+                self._raise_if_engine_gone()
                 watcher.poll()
                 for j in sorted(waiting):
                     payload = task.payloads[j]
@@ -368,7 +376,7 @@ class Replica:
                                                                         trace=task.trace, attempt=task.attempt)
                                                       for raw in mine])
                     sent.add(j)
-        except EngineDeadError:
+        except (EngineDeadError, _EngineGone):
             self._die(f"engine died while running shard {wire}")
         finally:
             for p in pumps:
