@@ -46,6 +46,7 @@ from interlace.workers.sink import DirSink, discard
 
 REPORT_GRACE_S = 30.0  # how long to wait for a shard's reports after its generation ended
 _POLL_S = 0.005
+_DEATH_CHECK_S = 0.5  # how often a shard waiting on its requests looks whether the engine died
 _ANSWER_S = 5.0  # after its engine died, how long the replica waits for its shards' calls to answer
 _FLUSH_S = 1.0  # then how long it lets Ray send those answers before the process ends
 
@@ -228,8 +229,13 @@ class Replica:
         prompts, params = build_requests(task.prompts, task.payloads, task.settings, wire,
                                          sink=self.sink)
         ids = [f"{wire}-{p.invoke if p is not None else i}" for i, p in enumerate(task.payloads)]
-        return await asyncio.gather(*(_final(engine.generate(prompt, param, rid))
-                                      for prompt, param, rid in zip(prompts, params, ids)))
+        work = asyncio.gather(*(_final(engine.generate(prompt, param, rid))
+                                for prompt, param, rid in zip(prompts, params, ids)))
+        while not (await asyncio.wait({work}, timeout=_DEATH_CHECK_S))[0]:
+            if self._engine_gone():
+                work.cancel()
+                raise _EngineGone()
+        return work.result()
 
     async def _watch(self, task: ShardTask, expected: set[tuple[int, int]]):
         """Every expected report of the shard from the sink folder (a ReportWatcher, done)."""
@@ -238,17 +244,19 @@ class Replica:
         watcher.poll()
         while not watcher.done:
             await asyncio.sleep(_POLL_S)
-            self._raise_if_engine_gone()
+            if self._engine_gone():
+                raise _EngineGone()
             watcher.poll()
         return watcher
 
-    def _raise_if_engine_gone(self) -> None:
-        """A shard waiting on reports, not on the engine, learns here that the engine died: its
-        generation had ended, so no EngineDeadError reaches it. A rank killed while writing a batch
-        leaves its ``.partial-`` file, which keeps the watcher's grace open for ever
-        (``writing_reports``): without this, a sweep's shard runner waited on it until killed."""
-        if self._death is not None or getattr(self._engine, "errored", False):
-            raise _EngineGone()
+    def _engine_gone(self) -> bool:
+        """Whether the engine died, for a shard that may never hear it from a ``generate`` call:
+        one waiting on reports after its generation ended (a rank killed while writing a batch
+        leaves its ``.partial-`` file, which keeps ReportWatcher's grace open for as long as it
+        exists), or on a request added as the engine died (vLLM fails the requests it holds when
+        its output handler ends; one registered just after waits for ever). Either way a sweep's
+        shard runner once waited in ``run_here`` until it was killed."""
+        return self._death is not None or getattr(self._engine, "errored", False)
 
     def _collector_handle(self):
         import ray
@@ -347,6 +355,8 @@ class Replica:
         try:
             yield ("started", time.time())
             while len(sent) < len(prompts):
+                if self._engine_gone():
+                    raise _EngineGone()
                 try:
                     i, out = await asyncio.wait_for(events.get(), _POLL_S * 4)
                 except asyncio.TimeoutError:
@@ -365,7 +375,6 @@ class Replica:
                 waiting = finished.keys() - sent
                 if not waiting:
                     continue  # reports are read once an invoke finished (a folder listing per event cost the loop)
-                self._raise_if_engine_gone()
                 watcher.poll()
                 for j in sorted(waiting):
                     payload = task.payloads[j]
