@@ -61,7 +61,9 @@ def two_replicas(**fields):
     yield handle
     handle.close()
     ray.shutdown()
-    time.sleep(1)
+    deadline = time.monotonic() + 1  # as long as before: gone within a second of Ray's shutdown
+    while [pid for pid in pids if psutil.pid_exists(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not [pid for pid in pids if psutil.pid_exists(pid)], "replica processes left behind"
 
 
