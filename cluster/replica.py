@@ -231,10 +231,12 @@ class Replica:
         ids = [f"{wire}-{p.invoke if p is not None else i}" for i, p in enumerate(task.payloads)]
         work = asyncio.gather(*(_final(engine.generate(prompt, param, rid))
                                 for prompt, param, rid in zip(prompts, params, ids)))
-        while not (await asyncio.wait({work}, timeout=_DEATH_CHECK_S))[0]:
-            if self._engine_gone():
-                work.cancel()
-                raise _EngineGone()
+        try:
+            while not (await asyncio.wait({work}, timeout=_DEATH_CHECK_S))[0]:
+                if self._engine_gone():
+                    raise _EngineGone()
+        finally:
+            work.cancel()  # a cancelled shard (a client gone) aborts its requests, as awaiting the gather did
         return work.result()
 
     async def _watch(self, task: ShardTask, expected: set[tuple[int, int]]):
