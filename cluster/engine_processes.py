@@ -94,8 +94,9 @@ def start_fork_server() -> None:
     import; it saves time: with ``spawn`` the replica's start was two imports of vLLM one after
     the other (the actor's, 12 s of CPU, then the engine core's); with the server started as the
     actor starts, they run at once on two cores. A lone replica of the tiny Llama was up in
-    17-18 s instead of 22-27 s (2-core machine, idle); two replicas starting at once gain nothing
-    (four imports share the two cores). The server's own
+    17-18 s instead of 22-27 s (2-core machine, idle), and answered its first token 23-25 s after
+    ``Cluster(...)`` instead of 29-30 s another day (bench/replica_start.py); two replicas starting
+    at once gain nothing (four imports share the two cores). The server's own
     environment is the actor's at that moment; its children get their caller's at ``start()``
     (:class:`_CallersEnvironment`), after vLLM and interlace prepared it, as with ``spawn``."""
     from multiprocessing import forkserver
