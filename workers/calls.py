@@ -126,6 +126,9 @@ class ProgramCall:
         self.used_s = 0.0  # time the program ran in this call (engine time not counted)
         self.agreed_s = 0.0  # under TP: the most any rank of the group counted (see tp_agreement.agree_on_time)
         self.waiting_for: Point | _Finished | None = None  # what the program needs next
+        # ``waiting_for is FINISHED``, kept as a field (set by _finish): read about ten times a
+        # program per step, where a property call cost more than the test
+        self.done = False
         self.error: dict | None = None
         self.timed_out = False  # past its budget (set by the watchdog, or by the engine between switches)
         self.stopped = False  # stopped by the engine with its own record (see stop)
@@ -159,6 +162,7 @@ class ProgramCall:
         self.accesses = 0
         self.used_s = self.agreed_s = 0.0
         self.waiting_for = self.error = None
+        self.done = False
         self.timed_out = self.stopped = self.watched = False
         self.writes = 0
         self._greenlet = self._engine = None
@@ -171,11 +175,17 @@ class ProgramCall:
     def start(self) -> None:
         self._switch_in(_START)
 
-    def start_at(self, point: Point, value: Any) -> None:
+    def start_at(self, point: Point | None, value: Any) -> None:
         """Start a program whose first access is ``point`` (its prologue only walks the module
         tree: prologue.py) where the forward pass is at that point: its first wait takes ``value``
-        without switching back, one round trip instead of two."""
-        self._start_handing(point, value)
+        without switching back, one round trip instead of two (``point`` None: ``value`` is
+        raised there, see wait_at)."""
+        self.unstarted = False
+        self._handed = (point, value)
+        try:
+            self._switch_in(_START)
+        finally:
+            self._handed = None
 
     def resume(self, value: Any) -> None:
         """Hand ``value`` to the program waiting at its point; return when it waits again."""
@@ -192,21 +202,12 @@ class ProgramCall:
     def _start_to_stop(self, stop: BaseException) -> None:
         """A program waiting unstarted is stopped as a started one is: it runs to its first wait,
         where ``stop`` is raised."""
-        self._start_handing(None, stop)
+        self.start_at(None, stop)
 
-    def _start_handing(self, point: Point | None, value: Any) -> None:
-        """Start an unstarted program, its first wait taking ``value`` at ``point`` (None: raising
-        ``value`` there; see wait_at)."""
-        self.unstarted = False
-        self._handed = (point, value)
-        try:
-            self._switch_in(_START)
-        finally:
-            self._handed = None
-
-    @property
-    def done(self) -> bool:
-        return self.waiting_for is FINISHED
+    def _finish(self) -> None:
+        """The program returned, failed or was stopped: it waits for nothing more this step."""
+        self.waiting_for = FINISHED
+        self.done = True
 
     @property
     def running(self) -> bool:
@@ -281,7 +282,7 @@ class ProgramCall:
         self.stopped = True
         self._unwind("stopped")
         self.error = self.error or record
-        self.waiting_for = FINISHED
+        self._finish()
 
     def _unwind(self, why: str) -> None:
         """Raise :class:`ProgramError` at the point the program waits at, so its frames unwind."""
@@ -307,7 +308,7 @@ class ProgramCall:
             TimeoutError(f"the program ran past the trace's time limit of {self.limit_s:g}s and was stopped"),
             where=str(self.waiting_for) if isinstance(self.waiting_for, Point) else self.view.where(),
         )
-        self.waiting_for = FINISHED
+        self._finish()
 
     # --- program side --------------------------------------------------------------------------
 
@@ -367,7 +368,7 @@ class ProgramCall:
                 self.error = error_record(exc, where=self.view.where())
         finally:
             WATCHDOG.leave(self)
-            self.waiting_for = FINISHED
+            self._finish()
 
 
 _START = object()  # handed to _switch_in by ProgramCall.start
@@ -459,16 +460,17 @@ def _worker(call: ProgramCall) -> None:
     switched in last), and wait, idle, for the next call. A new greenlet per call cost 7 us to
     create and run to its end, against 0.5 us for two switches into a waiting one (2-core CPU):
     with a program per invoke, every invoke's call every step made one."""
+    idle, me = _idle_workers(), greenlet.getcurrent()  # a greenlet lives in one thread
     while True:
         try:
             call._run()
         except ProgramError:  # an interruption that landed on the program's way out (see Watchdog)
             WATCHDOG.leave(call)
-            call.waiting_for = FINISHED
+            call._finish()
         except greenlet.GreenletExit:  # dropped while its program waited: this greenlet ends
             return
         engine, call._greenlet = call._engine, None
-        _idle_workers().append(greenlet.getcurrent())
+        idle.append(me)
         call = engine.switch()
 
 

@@ -83,13 +83,15 @@ class PointDispatcher:
                     if call.waiting_for.module == module and call.waiting_for.kind in kinds:
                         delivered.append((call, ctx))
                         self._deliver(call, ctx, call.waiting_for, access)
-                        self.pump(step)
+                        if step.sent != step.pumped:  # pump's own test, spared a call per program
+                            self.pump(step)
                 self.settle(step)
                 ready = _waiting_at(step, module, kinds)
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
             self._log_writes(delivered)
             for call, ctx in delivered:
-                ctx.holds.close(None if call.done else call.waiting_for, call.done)
+                done = call.done
+                ctx.holds.close(None if done else call.waiting_for, done)
 
     def _apply_op(self, step: Step, point: Point, access: PointAccess, step_op: StepOp) -> None:
         op = step_op.op
@@ -242,7 +244,7 @@ class PointDispatcher:
                 if held.copy:
                     now = versions(held.value)
                     if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
-                        held.written = _local(held.split, held.value)
+                        held.written = held.value if held.split is None else _local(held.split, held.value)
                         held.access.write(held.point, held.rows, held.written)
                         held.versions = now
                         call.writes += 1
@@ -250,8 +252,10 @@ class PointDispatcher:
             write = call.view._take_write()
             if write is not None:
                 point, value = write
-                held = ctx.holds.live_at(point)  # the view refused the write unless its hook runs
-                local = _local(held.split, value)
+                # the view refused the write unless its hook runs (``m.x += v``: the last one, just edited)
+                last = edited is not None and edited is ctx.holds.live[-1] and edited.point is point
+                held = edited if last else ctx.holds.live_at(point)
+                local = value if held.split is None else _local(held.split, value)
                 if not (held is edited and value is held.value):  # ``m.x += v``: written back just now
                     held.access.write(point, held.rows, local)
                 # A tensor of the program's own may change without being written again: logged as
@@ -269,10 +273,11 @@ class PointDispatcher:
             call.error = call.error or error_record(RuntimeError(late), where=call.view.where())
             call.cancel(late)
 
-    def close_calls(self, calls: list[tuple[ProgramCall, CallContext]]) -> None:
+    def close_calls(self, calls: list[tuple[ProgramCall, CallContext]], slots: np.ndarray | None = None) -> None:
         """The step's calls are over: fail the invokes of those that failed, and take the time
         each program ran from its invokes' budget (one array update for all the calls: with a
-        program per invoke, one per call cost a 256-invoke CPU step 1 ms)."""
+        program per invoke, one per call cost a 256-invoke CPU step 1 ms). ``slots``: each call's
+        one invoke's slot, where every call has one and the epoch knows them (Step.call_slots)."""
         if not calls:
             return
         for call, ctx in calls:
@@ -281,9 +286,9 @@ class PointDispatcher:
                     inv.fail(call.error)
         # under TP, the time every rank counts
         used = np.fromiter((call.used_s if call.local_limits else call.agreed_s for call, _ctx in calls), float, len(calls))
-        if all(len(ctx.invokes) == 1 for _call, ctx in calls):
+        if slots is None and all(len(ctx.invokes) == 1 for _call, ctx in calls):
             slots = np.fromiter((ctx.invokes[0].slot for _call, ctx in calls), np.int64, len(calls))
-        else:
+        elif slots is None:
             sizes = [len(ctx.invokes) for _call, ctx in calls]
             slots, used = np.concatenate([ctx.members.slots for _call, ctx in calls]), np.repeat(used, sizes)
         self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - used)

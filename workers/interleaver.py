@@ -56,6 +56,7 @@ from interlace.workers.write_log import WriteBook
 
 PAYLOAD_KEY = "interlace"
 logger = logging.getLogger("interlace")
+_UNREAD = object()  # Interleaver._start_calls: a prologue not read yet this step
 
 
 class Interleaver(ProgramServices):
@@ -360,14 +361,20 @@ class Interleaver(ProgramServices):
         """Run each of the step's programs to its first wait (in the hub: calls.run_shallow), or
         leave it unstarted where its first point is known without running it (prologue.py): the
         hook there starts it (PointDispatcher._deliver)."""
+        # A program per invoke is one function for all its calls: its prologue's values are read
+        # once, until a program runs (its code may change them)
+        values: dict = {}
         for call, ctx in step.calls:
             prologue = call.prologue
             if prologue is not None:
-                inputs = prologue.values()
+                inputs = values.get(prologue, _UNREAD)
+                if inputs is _UNREAD:
+                    inputs = values[prologue] = prologue.values()
                 if inputs is not None and inputs == call.last_inputs and call.last_first is not None:
                     call.unstarted, call.waiting_for = True, call.last_first
                     continue
                 call.last_inputs = inputs
+            values.clear()
             call.start()
             self.dispatcher.after_resume(call, ctx)
             self.dispatcher.pump(step)
@@ -402,6 +409,9 @@ class Interleaver(ProgramServices):
         if not carry_in and groups and groups is memo.get("groups"):
             memo["calls"] = list(self.step.calls)
             memo["call slots"] = np.fromiter((ctx.members.slots[0] for _call, ctx in self.step.calls), np.int64)
+            memo["one invoke each"] = all(len(ctx.invokes) == 1 for _call, ctx in self.step.calls)
+            if memo["one invoke each"]:
+                self.step.call_slots = memo["call slots"]
 
     def _again(self, calls: list, memo: dict) -> None:
         """The epoch's calls one step on: the same programs over the same invokes and rows, each
@@ -411,6 +421,8 @@ class Interleaver(ProgramServices):
             ctx.again(budget)
             call.again(budget)
         self.step.calls = list(calls)
+        if memo["one invoke each"]:
+            self.step.call_slots = memo["call slots"]
 
     def _replays(self, scheduled) -> dict:
         """The logged program writes to put back on rows this step recomputes after a preemption,
@@ -455,7 +467,7 @@ class Interleaver(ProgramServices):
                     self.flush_saves(ctx)
                 except Exception as exc:  # noqa: BLE001 - past a limit with the step's other saves
                     call.error = call.error or error_record(exc, where=ctx.step_words())
-        self.dispatcher.close_calls(step.calls)
+        self.dispatcher.close_calls(step.calls, step.call_slots)
         for call, ctx in step.calls:
             call.release()
             if not self.piece_step and call.error is None:

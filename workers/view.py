@@ -264,7 +264,8 @@ class ProgramView:
         return value
 
     def _write(self, point: Point, value: Any) -> None:
-        current = self._read(point)
+        # ``m.x += v`` writes the point it has just read: _read's own first test, spared a call
+        current = self._current_value if point is self._current else self._read(point)
         if self._call.replaying:  # made, and written, on an earlier pipeline stage
             return
         self._ctx.holds.refuse_write(point)  # its hook has returned: the write would be lost
