@@ -12,6 +12,7 @@ reference is the session's single-rank ``llama`` Model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -115,10 +116,13 @@ def ray_nodes(count: int, ranks: int = 1, audit: bool = False):
                    INTERLACE_TEST_OPENS=str(temps[0] / "opens.log"))
     (port,) = free_ports(1)
     try:
-        for i, temp in enumerate(temps):
-            ip = f"127.0.0.{i + 1}"
-            joins = ("--address", f"127.0.0.1:{port}") if i else ()
-            _start_node(temp, {**env, "INTERLACE_TEST_NODE": ip}, ip, port, *joins, ranks=ranks)
+        _start_node(temps[0], {**env, "INTERLACE_TEST_NODE": "127.0.0.1"}, "127.0.0.1", port, ranks=ranks)
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:  # the other nodes join at once, as machines do
+            joined = [pool.submit(_start_node, temp, {**env, "INTERLACE_TEST_NODE": ip}, ip, port,
+                                  "--address", f"127.0.0.1:{port}", ranks=ranks)
+                      for temp, ip in [(temp, f"127.0.0.{i + 1}") for i, temp in enumerate(temps)][1:]]
+            for future in joined:
+                future.result()  # a node that failed to start fails here, with its output
         ray.init(address=f"127.0.0.1:{port}")
         assert len([n for n in ray.nodes() if n["Alive"]]) == count
         yield temps
