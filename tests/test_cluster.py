@@ -327,15 +327,6 @@ def exits(m):
     os._exit(1)
 
 
-def same(got, want) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        assert g.saves.keys() == w.saves.keys()
-        for name in w.saves:
-            torch.testing.assert_close(g.saves[name], w.saves[name], atol=1e-4, rtol=1e-4)
-
-
 @pytest.fixture(scope="module")
 def clean(cluster):
     """The innocent traces run alone on the same cluster."""
@@ -373,7 +364,7 @@ def test_a_program_that_ends_its_engine_fails_alone_and_once(no_retries, clean, 
     assert "not run again" in str(failed.value)
     results = [f.result(timeout=300) for f in futures[1:]]
     for got, want in zip(results, clean):
-        same(got, want)
+        assert_same(got, want)
     # Each innocent invoke's report counted once (the lost attempts' never, nor twice)
     assert ray.get(cluster.collector.stats.remote())["accepted"] - accepted == INNOCENT * 4
     assert ray.get(cluster.collector.stats.remote())["pending"] == 0
