@@ -273,11 +273,10 @@ class PointDispatcher:
             call.error = call.error or error_record(RuntimeError(late), where=call.view.where())
             call.cancel(late)
 
-    def close_calls(self, calls: list[tuple[ProgramCall, CallContext]], slots: np.ndarray | None = None) -> None:
+    def close_calls(self, calls: list[tuple[ProgramCall, CallContext]]) -> None:
         """The step's calls are over: fail the invokes of those that failed, and take the time
         each program ran from its invokes' budget (one array update for all the calls: with a
-        program per invoke, one per call cost a 256-invoke CPU step 1 ms). ``slots``: each call's
-        one invoke's slot, where every call has one and the epoch knows them (Step.call_slots)."""
+        program per invoke, one per call cost a 256-invoke CPU step 1 ms)."""
         if not calls:
             return
         for call, ctx in calls:
@@ -286,9 +285,9 @@ class PointDispatcher:
                     inv.fail(call.error)
         # under TP, the time every rank counts
         used = np.fromiter((call.used_s if call.local_limits else call.agreed_s for call, _ctx in calls), float, len(calls))
-        if slots is None and all(len(ctx.invokes) == 1 for _call, ctx in calls):
+        if all(len(ctx.invokes) == 1 for _call, ctx in calls):
             slots = np.fromiter((ctx.invokes[0].slot for _call, ctx in calls), np.int64, len(calls))
-        elif slots is None:
+        else:
             sizes = [len(ctx.invokes) for _call, ctx in calls]
             slots, used = np.concatenate([ctx.members.slots for _call, ctx in calls]), np.repeat(used, sizes)
         self.slots.time_left[slots] = np.maximum(0.0, self.slots.time_left[slots] - used)

@@ -409,9 +409,6 @@ class Interleaver(ProgramServices):
         if not carry_in and groups and groups is memo.get("groups"):
             memo["calls"] = list(self.step.calls)
             memo["call slots"] = np.fromiter((ctx.members.slots[0] for _call, ctx in self.step.calls), np.int64)
-            memo["one invoke each"] = all(len(ctx.invokes) == 1 for _call, ctx in self.step.calls)
-            if memo["one invoke each"]:
-                self.step.call_slots = memo["call slots"]
 
     def _again(self, calls: list, memo: dict) -> None:
         """The epoch's calls one step on: the same programs over the same invokes and rows, each
@@ -421,8 +418,6 @@ class Interleaver(ProgramServices):
             ctx.again(budget)
             call.again(budget)
         self.step.calls = list(calls)
-        if memo["one invoke each"]:
-            self.step.call_slots = memo["call slots"]
 
     def _replays(self, scheduled) -> dict:
         """The logged program writes to put back on rows this step recomputes after a preemption,
@@ -467,7 +462,7 @@ class Interleaver(ProgramServices):
                     self.flush_saves(ctx)
                 except Exception as exc:  # noqa: BLE001 - past a limit with the step's other saves
                     call.error = call.error or error_record(exc, where=ctx.step_words())
-        self.dispatcher.close_calls(step.calls, step.call_slots)
+        self.dispatcher.close_calls(step.calls)
         for call, ctx in step.calls:
             call.release()
             if not self.piece_step and call.error is None:

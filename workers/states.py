@@ -256,7 +256,6 @@ class Step:
     replays: dict[tuple[str, str], list[tuple[Point, Rows, Any, list[InvokeState]]]] = field(default_factory=dict)
     memo: dict = field(default_factory=dict)  # work shared by the steps of an epoch (StepScheduler.memo)
     times_agreed: bool = False  # under TP: the last path round saw every call done, so its times are final
-    call_slots: np.ndarray | None = None  # the epoch's calls' slots, in order, where each call has one invoke
 
     def rows_at(self, rows: np.ndarray, device) -> Rows:
         """``Rows.at``, once per epoch for each distinct selection: a sweep saving 4 layers sends
