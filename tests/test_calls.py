@@ -233,3 +233,79 @@ def test_a_program_started_at_its_first_point_takes_the_value_there_and_one_neve
     never.cancel("layers.1 was not reached")
     assert seen == [] and never.done and never.first_point == here
     assert never.error["type"] == "ProgramError" and "not reached" in never.error["message"]
+
+
+def test_programs_started_together_run_in_one_worker_until_one_waits_again_which_keeps_it():
+    """calls.start_at_points: programs handed their first points' values run one after another in
+    one worker greenlet; one that waits again keeps that worker (resumed later, it ends there and
+    the worker goes idle), the rest run on in another; each counts only its own time."""
+    import greenlet
+
+    here, later = Point("model.layers.1", "resid"), Point("model.layers.2", "resid")
+    ran: list = []
+
+    def quick(m):
+        ran.append((m.name, m.call.wait_at(here), greenlet.getcurrent()))
+
+    def waits(m):
+        ran.append((m.name, m.call.wait_at(here), greenlet.getcurrent()))
+        _spin(0.02)
+        ran.append((m.name, m.call.wait_at(later), greenlet.getcurrent()))
+
+    made = []
+    for name, program in [("a", quick), ("b", waits), ("c", quick), ("d", quick)]:
+        view = _StageView()
+        view.name = name
+        call = view.call = ProgramCall(program, view, budget_s=5.0, limit_s=5.0)
+        call.unstarted, call.waiting_for = True, here
+        made.append(call)
+    calls.start_at_points([(call, here, f"value {k}") for k, call in enumerate(made)])
+    a, b, c, d = made
+    assert [(name, value) for name, value, _g in ran] == [("a", "value 0"), ("b", "value 1"), ("c", "value 2"),
+                                                         ("d", "value 3")]
+    workers = [g for _n, _v, g in ran]
+    assert workers[0] is workers[1] and workers[2] is workers[3] and workers[1] is not workers[2]
+    assert a.done and c.done and d.done and not b.done and b.waiting_for == later
+    assert 0.02 <= b.used_s < 0.5 and a.used_s < 0.02 and c.used_s < 0.02
+    b.resume("value 4")
+    assert ran[-1][:2] == ("b", "value 4") and ran[-1][2] is workers[1] and b.done and b.error is None
+    assert b.used_s >= 0.02 and all(call.error is None for call in made)
+
+
+def test_a_program_started_with_others_that_runs_past_its_budget_fails_alone(fast_watchdog):
+    """The watchdog interrupts the program running past its own deadline, never the ones before
+    or after it in the same worker, nor the engine; a program that raises fails with its own
+    record; one already past its budget is not run."""
+    here = Point("model.layers.1", "resid")
+    finished = []
+
+    def quick(m):
+        m.call.wait_at(here)
+        finished.append(m.name)
+
+    def loops(m):
+        m.call.wait_at(here)
+        _spin(1.0)
+        finished.append(m.name)
+
+    def raises(m):
+        m.call.wait_at(here)
+        raise KeyError("its own")
+
+    for _round in range(20):
+        made = []
+        for name, program, budget in [("a", quick, 5.0), ("slow", loops, 0.01), ("b", quick, 5.0),
+                                      ("bad", raises, 5.0), ("spent", quick, 0.0), ("c", quick, 5.0)]:
+            view = _StageView()
+            view.name = name
+            call = view.call = ProgramCall(program, view, budget_s=budget, limit_s=budget)
+            call.unstarted, call.waiting_for = True, here
+            made.append(call)
+        finished.clear()
+        calls.start_at_points([(call, here, None) for call in made])
+        _spin(0.001)  # an interruption landing on this side would raise here
+        assert finished == ["a", "b", "c"]
+        errors = {call.view.name: call.error for call in made if call.error is not None}
+        assert sorted(errors) == ["bad", "slow", "spent"] and all(call.done for call in made)
+        assert "time limit" in errors["slow"]["message"] and "time limit" in errors["spent"]["message"]
+        assert errors["bad"]["type"] == "KeyError"

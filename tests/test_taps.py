@@ -696,6 +696,24 @@ def test_a_program_switched_into_at_a_tap_copies_none_of_the_engines_stack(tappe
             assert hub < 12 < 30 < engine, (hub, engine)
 
 
+def hub_functions() -> list[str]:
+    """Called in a program: the functions of the hub that switched into it (calls.run_shallow)."""
+    import greenlet
+
+    frame, names = greenlet.getcurrent().parent.gr_frame, []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
+def started_at_its_point() -> bool:
+    """Called in a program: whether it was started at its first point (prologue.py), alone or
+    with others (calls.start_at_points)."""
+    names = hub_functions()
+    return "start_at" in names or "start_at_points" in names
+
+
 def test_a_program_whose_first_statement_walks_to_a_point_starts_there_with_the_same_results(tapped):
     """A program whose first statement only walks the module tree to a point (``m.layers[i].resid
     += v``, prologue.py) is started at that point from its second step in an epoch on, with the
@@ -705,30 +723,21 @@ def test_a_program_whose_first_statement_walks_to_a_point_starts_there_with_the_
     index a closure cell it changes) is started at the step's start whenever it moved."""
     layer = 1
 
-    def hub_functions():  # where the hub that switched into the program is (calls.run_shallow)
-        import greenlet
-
-        frame, names = greenlet.getcurrent().parent.gr_frame, []
-        while frame is not None:
-            names.append(frame.f_code.co_name)
-            frame = frame.f_back
-        return names
-
     def walks(m):
         m.layers[layer].resid += 0.5
-        m.save("started_at", "start_at" in hub_functions())
+        m.save("started_at", started_at_its_point())
         m.save("h", m.layers[2].resid)
 
     def runs_code_first(m):
         scale = 0.5
         m.layers[layer].resid += scale
-        m.save("started_at", "start_at" in hub_functions())
+        m.save("started_at", started_at_its_point())
         m.save("h", m.layers[2].resid)
 
     def moves(m):
         nonlocal layer
         m.layers[layer].resid += 0.5
-        m.save("started_at", "start_at" in hub_functions())
+        m.save("started_at", started_at_its_point())
         m.save("h", m.layers[2].resid)
         layer = 2 if m.step % 2 else 1  # after steps 1, 3, ...: layer 2 next step
 
@@ -751,3 +760,53 @@ def test_a_program_whose_first_statement_walks_to_a_point_starts_there_with_the_
     [moved] = tr.result
     assert len(moved.token_ids) == 6
     assert not any(moved.saves["started_at"]), moved.saves["started_at"]  # layers 1, 1, 2, 1, 2, 1
+
+
+def test_programs_started_together_at_a_tap_each_keep_their_own_path(tapped, llama):
+    """Programs per invoke that start at their first point at one tap run one after another in one
+    worker greenlet (calls.start_at_points). Each keeps its own path: one that waits again (for a
+    later point, or for a value that an invoke after it sends) keeps that worker while the others
+    go on in another; one that raises fails alone. Tokens and saves equal the hook path's (an
+    engine without taps) bit for bit."""
+    steer = vector(31)
+
+    def steers(m):
+        m.layers[1].resid += steer
+        m.save("together", "start_at_points" in hub_functions())
+
+    def waits_for_layer2(m):
+        m.layers[1].resid *= 1.5
+        m.save("l2", m.layers[2].resid)
+
+    def receives_first(m):  # an invoke before its sender: it waits for the value mid-run
+        r = m.layers[1].resid
+        r[:] = (r + m.recv("s")[-1:]) / 2
+        m.save("patched", m.layers[2].resid)
+
+    def sends(m):
+        m.send("s", m.layers[1].resid * 2)
+
+    def raises(m):
+        m.layers[1].resid -= steer
+        if m.step == 3:
+            raise ValueError("this invoke's own failure at step 3")
+
+    programs = [steers, waits_for_layer2, receives_first, steers, sends, raises, steers]
+
+    def trace(model):
+        with pytest.raises(interlace.InterventionError, match="own failure at step 3") as err:
+            with model.trace(max_tokens=6, ignore_eos=True) as tr:
+                for k, program in enumerate(programs):
+                    tr.invoke(f"Prompt number {k} of the run", program=program)
+        assert err.value.invoke == 5
+        return err.value.partial
+
+    before = program_steps(tapped)
+    got, want = trace(tapped), trace(llama)
+    assert program_steps(tapped) >= before + 4
+    for k in (0, 3, 6):
+        together = got[k].saves.pop("together")
+        assert not want[k].saves.pop("together")[-1]
+        # the first steps of an epoch start alone: the prompt's, the next, and the one after the failure
+        assert together == [False, False, True, True, False, True], together
+    assert_same(got, want, **PIECES_VS_EAGER)

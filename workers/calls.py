@@ -455,22 +455,115 @@ def _hub(job: tuple) -> None:
         job = caller.switch(result)
 
 
-def _worker(call: ProgramCall) -> None:
-    """A greenlet's life: run one call's program to its end, go back to the engine (whoever
-    switched in last), and wait, idle, for the next call. A new greenlet per call cost 7 us to
-    create and run to its end, against 0.5 us for two switches into a waiting one (2-core CPU):
-    with a program per invoke, every invoke's call every step made one."""
+def _worker(job: "ProgramCall | _Starts") -> None:
+    """A greenlet's life: run one call's program, or a run of programs started at their first
+    points (:func:`start_at_points`), to its end, go back to the engine (whoever switched in
+    last), and wait, idle, for the next. A new greenlet per call cost 7 us to create and run to
+    its end, against 0.5 us for two switches into a waiting one (2-core CPU): with a program per
+    invoke, every invoke's call every step made one."""
     while True:
         try:
-            call._run()
-        except ProgramError:  # an interruption that landed on the program's way out (see Watchdog)
-            WATCHDOG.leave(call)
-            call._finish()
+            if type(job) is _Starts:
+                call = job.run(greenlet.getcurrent())
+            else:
+                call = job
+                try:
+                    call._run()
+                except ProgramError:  # an interruption that landed on the program's way out (see Watchdog)
+                    WATCHDOG.leave(call)
+                    call._finish()
         except greenlet.GreenletExit:  # dropped while its program waited: this greenlet ends
             return
         engine, call._greenlet = call._engine, None
         _idle_workers().append(greenlet.getcurrent())  # not kept in this frame: no cycle through it
-        call = engine.switch()
+        job = call = None
+        job = engine.switch()
+
+
+class _Starts:
+    """Programs started at their first points one after another in one worker greenlet
+    (:func:`start_at_points`): the worker running them now, and where it is."""
+
+    __slots__ = ("items", "next", "runner", "started")
+
+    def __init__(self, items: list):
+        self.items = items  # (call, point, value)
+        self.next = 0  # the next program to start
+        self.runner: greenlet.greenlet | None = None  # None once the program it ran waited again
+        self.started = 0.0  # when the program running now started
+
+    def run(self, worker: greenlet.greenlet) -> ProgramCall:
+        """Run the programs from ``next`` on, each within its budget, watched and recorded as
+        ProgramCall._switch_in does, until the last has ended or one waits again: that one keeps
+        this worker, and the engine starts the rest in another. Returns the last program run."""
+        items, clock = self.items, time.monotonic()
+        while True:
+            call, point, value = items[self.next]
+            self.next += 1
+            call._greenlet, call._handed, self.started = worker, (point, value), clock
+            WATCHDOG.enter(call, clock + call.budget_s - call.used_s)
+            flight = call.flight
+            if flight is not None:
+                flight.recorder.enter(flight)
+            try:
+                call._run()
+            except ProgramError:  # an interruption that landed on the program's way out (see Watchdog)
+                WATCHDOG.leave(call)
+                call._finish()
+            call._handed = None  # (unless it read its point: then wait_at let go of it)
+            if self.runner is not worker:  # it waited, and whoever resumed it counts its time
+                return call
+            if flight is not None:
+                flight.recorder.leave()
+            call._greenlet = None
+            clock = time.monotonic()
+            call.used_s += clock - self.started
+            if self.next == len(items):
+                return call
+
+
+def start_at_points(items: list[tuple[ProgramCall, Point, Any]]) -> None:
+    """:meth:`ProgramCall.start_at` for several programs, each ``(call, point, value)``, in one
+    worker greenlet one after another: a program that runs from its first point to its end (a
+    program per invoke's ``m.layers[L].resid += v``) costs no switch of its own. On the 2-core
+    CPU a switch into a program and back, with its accounting, was about 5 us of a program per
+    invoke's 18 (bench/step_probe.py, tiny shape, 256 invokes). A program that waits again keeps
+    the worker it ran in, and the rest go on in another."""
+    starts: list = []
+    hub = greenlet.getcurrent()
+    for item in items:
+        call = item[0]
+        call.unstarted = False
+        if call.done:
+            continue
+        if call.used_s >= call.budget_s if call.local_limits else call.budget_s <= 0:
+            call._time_out()
+            continue
+        call._engine = hub
+        starts.append(item)
+    if not starts:
+        return
+    batch = _Starts(starts)
+    while batch.next < len(starts):
+        idle = _idle_workers()
+        worker = batch.runner = idle.pop() if idle else greenlet.greenlet(_worker)
+        try:
+            if worker:  # one that ran before, idle in _worker
+                worker.switch(batch)
+            else:  # its first switch sets where its stack starts (see _deep_switch)
+                _deep_switch(worker, batch, _deep_frames())
+        except ProgramError:  # an interruption that landed as the program was leaving (see Watchdog)
+            pass
+        call = starts[batch.next - 1][0]
+        if not call.done and batch.runner is worker:  # it waits again, keeping this worker
+            batch.runner = None
+            if call.flight is not None:
+                call.flight.recorder.leave()
+            call.used_s += time.monotonic() - batch.started
+    for call, _point, _value in starts:
+        # interrupted by the watchdog, or past the limit by this rank's clock (see _switch_in)
+        if call.timed_out or (call.local_limits and call.used_s >= call.budget_s):
+            call._time_out()
 
 
 class Watchdog:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from interlace.workers.calls import ProgramCall, error_record, run_shallow
+from interlace.workers.calls import ProgramCall, error_record, run_shallow, start_at_points
 from interlace.workers.hooks import HookSet
 from interlace.workers.holds import Held, versions
 from interlace.workers.ops import StepOp, apply as apply_op
@@ -31,6 +31,9 @@ from interlace.workers.states import CallContext, Step
 from interlace.workers.tensor_parallel import TensorParallelLayout
 from interlace.workers.tp_agreement import agree_on_paths
 from interlace.workers.write_log import WriteBook, Written, row_bytes
+
+
+_UNREADABLE = object()  # PointDispatcher._hand: the program could not read its point (and was stopped)
 
 
 class PointDispatcher:
@@ -77,14 +80,30 @@ class PointDispatcher:
         """Hand the hook's value to the ``ready`` programs waiting here, and to those it wakes,
         until none can move (in the hub: calls.run_shallow)."""
         delivered: list[tuple[ProgramCall, CallContext]] = []
+        # Programs that start here at their first point and whose reads are views of one copy
+        # (a tap's resid) are started together, in one worker greenlet (calls.start_at_points),
+        # in invoke order with the others: the run is cut before any other delivery.
+        together = isinstance(access, TapAccess)  # (a program starts unstarted on one rank and one stage only)
         try:
             while ready:
+                starts: list = []
                 for call, ctx in ready:
-                    if call.waiting_for.module == module and call.waiting_for.kind in kinds:
+                    point = call.waiting_for
+                    if point.module == module and point.kind in kinds:
                         delivered.append((call, ctx))
-                        self._deliver(call, ctx, call.waiting_for, access)
+                        if together and call.unstarted and point.kind == "resid" and not (self.book.logs and ctx.logs):
+                            value = self._hand(call, ctx, point, access)
+                            if value is not _UNREADABLE:
+                                starts.append((call, ctx, point, value))
+                            continue
+                        if starts:
+                            self._start_together(step, starts)
+                            starts = []
+                        self._deliver(call, ctx, point, access)
                         if step.sent != step.pumped:  # pump's own test, spared a call per program
                             self.pump(step)
+                if starts:
+                    self._start_together(step, starts)
                 self.settle(step)
                 ready = _waiting_at(step, module, kinds)
         finally:  # the hook returns: from here on, writes to what it handed out would be lost
@@ -197,6 +216,18 @@ class PointDispatcher:
                     inv.fail(error_record(exc, where=where))
 
     def _deliver(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> None:
+        value = self._hand(call, ctx, point, access)
+        if value is _UNREADABLE:
+            return
+        if call.unstarted:  # its first point, known without running it (prologue.py)
+            call.start_at(point, value)
+        else:
+            call.resume(value)
+        self.after_resume(call, ctx)
+
+    def _hand(self, call: ProgramCall, ctx: CallContext, point: Point, access: PointAccess) -> Any:
+        """The value a program gets at ``point``, held for the write-back (holds.py); a program
+        that cannot read it is stopped there (and _UNREADABLE returned)."""
         split = self.tp.split(point.module, point.kind)
         try:
             rows = ctx.request_rows if point.kind in ROW_PER_REQUEST_KINDS else ctx.token_rows
@@ -206,18 +237,27 @@ class PointDispatcher:
                     value = _gather(split, value)
         except Exception as exc:  # noqa: BLE001 - e.g. resid on a module that is not a layer
             call.cancel(f"cannot read {point}: {exc}")
-            return
+            return _UNREADABLE
         copy = split is not None or access.is_copy(point, rows)
         if not copy and point.kind in TOKEN_KINDS and self.book.limit > 0:
             # its version counter shows an in-place edit (write_log.py). Also for an invoke that
             # keeps no log (never preempted): a late edit fails alike whatever the cache holds.
             value, copy = _own_copy(value), True
         ctx.holds.live.append(Held(point, value, versions(value), access, rows, split, copy))
-        if call.unstarted:  # its first point, known without running it (prologue.py)
-            call.start_at(point, value)
-        else:
-            call.resume(value)
-        self.after_resume(call, ctx)
+        return value
+
+    def _start_together(self, step: Step, starts: list[tuple[ProgramCall, CallContext, Point, Any]]) -> None:
+        """Start programs handed their first points' values (calls.start_at_points), then write
+        back what each changed. Their values are views of one copy, which share its version
+        counter: one program's in-place edit shows in all their counters, so a program may be
+        taken for one that edited and its rows written back unchanged (a write into the copy
+        that is there already, TapAccess.write). A program whose writes are logged for a
+        preemption, which must see only its own, is never started with others."""
+        start_at_points([(call, point, value) for call, _ctx, point, value in starts])
+        for call, ctx, _point, _value in starts:
+            self.after_resume(call, ctx)
+        if step.sent != step.pumped:
+            self.pump(step)
 
     def after_resume(self, call: ProgramCall, ctx: CallContext) -> None:
         if ctx.holds.live or call.view._pending_write is not None:
