@@ -811,3 +811,30 @@ def test_programs_started_together_at_a_tap_each_keep_their_own_path(tapped, lla
         # the first steps of an epoch start alone: the prompt's, the next, and the one after the failure
         assert together == [False, False, True, True, False, True], together
     assert_same(got, want, **PIECES_VS_EAGER)
+
+
+def test_a_late_edit_of_a_taps_copy_fails_only_the_program_that_made_it(tapped):
+    """Every program's rows of a tap's value are views of one copy, whose version counter they
+    share. One program's in-place edit of its rows after the tap returned (late: lost) fails that
+    program alone; another that holds its own rows of the same copy, checked after it, goes on."""
+
+    def keeps(m):  # checked again at the logits, after the other edited its rows
+        h = m.layers[1].resid
+        m.save("l2", m.layers[2].resid)
+        m.save("logits", m.logits)
+        m.save("h", h)
+
+    def edits_late(m):
+        h = m.layers[1].resid
+        m.save("l2", m.layers[2].resid)
+        if m.step == 2:  # a step at the taps (the first runs with hooks)
+            h += 1.0
+
+    before = program_steps(tapped)
+    with pytest.raises(interlace.InterventionError, match="edited in place its copy of layers.1.resid") as err:
+        with tapped.trace(max_tokens=4, ignore_eos=True) as tr:
+            tr.invoke("The quick brown fox", program=keeps)
+            tr.invoke("Hello there, my friend", program=edits_late)
+    assert err.value.invoke == 1
+    assert program_steps(tapped) >= before + 2
+    assert len(err.value.partial[0].saves["h"]) == len(err.value.partial[0].saves["l2"])

@@ -114,6 +114,7 @@ class Holdings:
         returned. Copies it can no longer reach are let go (``done``: all of them)."""
         for late in self.late:
             if _edited(late.tensors):
+                _charged(late.tensors)
                 self.late.clear()
                 return late_message(late.point, late.after, "edited in place its copy of")
         self.late = [] if done else [late for late in self.late if _reachable(late.tensors)]
@@ -129,8 +130,30 @@ def versions(value: Any) -> tuple[int, ...]:
     return ()
 
 
+# Views of one tensor share its version counter: every program's rows of a tap's one copy
+# (points.TapAccess) count the edits of all of them. A late edit is checked right after each run of
+# a program, so a counter that moved during that run moved by that program's edit: the counter's
+# value then is kept on the viewed tensor (``_SEEN``), and is no edit of the others' views.
+_SEEN = "_interlace_late_edit_seen"
+
+
 def _edited(tensors: list[tuple[torch.Tensor, int]]) -> bool:
-    return any(pair[0]._version != pair[1] for pair in tensors)
+    """Whether one of the tensors was edited in place since its version was recorded, by the
+    program that ran last (see _SEEN)."""
+    for tensor, version in tensors:
+        now = tensor._version
+        if now != version:
+            base = tensor._base
+            if now != getattr(tensor if base is None else base, _SEEN, None):
+                return True
+    return False
+
+
+def _charged(tensors: list[tuple[torch.Tensor, int]]) -> None:
+    """The edits of these tensors are the program's own: not another holder's of the same views."""
+    for tensor, _version in tensors:
+        base = tensor._base
+        setattr(tensor if base is None else base, _SEEN, tensor._version)
 
 
 def _reachable(tensors: list[tuple[torch.Tensor, int]]) -> bool:
