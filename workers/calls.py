@@ -476,7 +476,7 @@ def _worker(job: "ProgramCall | _Starts") -> None:
             return
         engine, call._greenlet = call._engine, None
         _idle_workers().append(greenlet.getcurrent())  # not kept in this frame: no cycle through it
-        job = call = None
+        job = call = None  # nor what it ran (a run of starts holds their values) while it is idle
         job = engine.switch()
 
 
@@ -501,13 +501,13 @@ class _Starts:
             call, point, value = items[self.next]
             self.next += 1
             call._greenlet, call._handed, self.started = worker, (point, value), clock
-            WATCHDOG.enter(call, clock + call.budget_s - call.used_s)
             flight = call.flight
-            if flight is not None:
-                flight.recorder.enter(flight)
-            try:
+            try:  # (watched from here on, and running: an interruption may land at once)
+                WATCHDOG.enter(call, clock + call.budget_s - call.used_s)
+                if flight is not None:
+                    flight.recorder.enter(flight)
                 call._run()
-            except ProgramError:  # an interruption that landed on the program's way out (see Watchdog)
+            except ProgramError:  # an interruption that landed on the program's way in or out (see Watchdog)
                 WATCHDOG.leave(call)
                 call._finish()
             call._handed = None  # (unless it read its point: then wait_at let go of it)
