@@ -42,6 +42,13 @@ from interlace.core import sigterm
 _QUIET = {"log_level": "WARNING", "enable_access_log": False}
 
 
+# How often a stopping replica (Serve deleting the application, shutting down, or scaling down)
+# looks whether its requests have finished. It waits this long before its first look even when
+# none run, and Serve stops the deployments callers first (ingress, engine, state), so with Serve's
+# 2 s an idle application took some 6 s to stop. A look reads a counter.
+_STOP_CHECK_S = 0.5
+
+
 def build_app(args: dict[str, Any] | ServeConfig | str) -> Application:
     """The application for ``args``: a ServeConfig, its fields (Serve's ``args``), or
     ``{"config": path}`` (``serve run ... config=path``)."""
@@ -51,12 +58,14 @@ def build_app(args: dict[str, Any] | ServeConfig | str) -> Application:
     _check_tokens(cfg)  # a server nobody may call is refused before anything starts
     cluster = cfg.cluster
     state = serve.deployment(StateHost, name="InterlaceState", num_replicas=1, max_ongoing_requests=100_000,
-                             logging_config=_QUIET, ray_actor_options={"num_cpus": 0}).bind(cfg.limits.max_results_kept,
+                             graceful_shutdown_wait_loop_s=_STOP_CHECK_S, logging_config=_QUIET,
+                             ray_actor_options={"num_cpus": 0}).bind(cfg.limits.max_results_kept,
                                                                      cfg.limits.results_ttl_s)
     engine = serve.deployment(ServeEngine, name="InterlaceEngine", **_engine_options(cfg)).bind(
         cluster.model.model_dump(), state=state)
     ingress = serve.deployment(serve.ingress(api)(Ingress), name="InterlaceIngress",
                                num_replicas=cfg.ingress_replicas, max_ongoing_requests=10_000, logging_config=_QUIET,
+                               graceful_shutdown_wait_loop_s=_STOP_CHECK_S,
                                ray_actor_options={"num_cpus": 0,
                                                   "runtime_env": {"env_vars": _auth_env(cfg)}}).bind(
         cfg.model_dump(mode="json"), engine, state)
@@ -172,6 +181,7 @@ def _engine_options(cfg: ServeConfig) -> dict[str, Any]:
         health_check_period_s=2,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
+        graceful_shutdown_wait_loop_s=_STOP_CHECK_S,
     )
     if cfg.autoscaling is not None:
         options["autoscaling_config"] = cfg.autoscaling.model_dump()
