@@ -110,7 +110,7 @@ def test_a_program_that_swallows_its_interruption_is_stopped_and_the_next_trace_
     """A program that catches every interruption cannot be stopped from inside its thread (the
     engine's): a few seconds past its limit the worker ends itself with a record, the trace
     fails with that reason, and the next trace runs on a new engine."""
-    from interlace.workers.calls import GRACE_S
+    from interlace.workers.watchdog import GRACE_S
 
     def stubborn(m):
         m.layers[0].resid
