@@ -117,3 +117,29 @@ def test_a_step_recomputing_several_requests_gets_exactly_the_rows_each_logged()
         assert sorted(got_rows.tolist()) == sorted(want) and which.tolist() == [0, 1, 2]
         for row, v in zip(got_rows.tolist(), value if point == RESID else value[0]):
             assert torch.equal(v, scale * want[row])
+
+
+def test_only_the_program_that_edited_its_rows_of_a_taps_copy_is_taken_to_have_written():
+    """Every program's rows of a tap's value are views of one copy (points.TapAccess), sharing its
+    version counter. A program suspended at the tap (at a ``recv``) while another edits its own
+    rows is not taken to have edited (its unchanged rows would be logged as a write), and its own
+    later edit is still seen; so are edits of programs checked after they all ran
+    (calls.start_at_points)."""
+    from interlace.workers.holds import Held, live_edit, versions
+
+    copy = torch.zeros(6, 4)
+    held = [Held(RESID, rows, versions(rows), None, None, None, True) for rows in (copy[0:2], copy[2:4], copy[4:6])]
+    assert [live_edit(h) for h in held] == [None] * 3
+    held[1].value += 1.0  # the second program's run; the first waits at the tap meanwhile
+    assert live_edit(held[1]) is not None
+    assert live_edit(held[0]) is None and live_edit(held[2]) is None
+    held[0].value[-1] = 2.0  # the first resumes and edits
+    assert live_edit(held[0]) is not None
+    assert live_edit(held[1]) is None and live_edit(held[2]) is None
+    held[0].value.mul_(3.0)  # started together: two programs edit, both checked afterwards
+    held[2].value.mul_(3.0)
+    assert sum(live_edit(h) is not None for h in held) == 1  # charged once: the copy has both rows already
+    own = torch.zeros(2, 4)  # a copy of one program's own (not a view): every edit its own
+    mine = Held(RESID, own, versions(own), None, None, None, True)
+    own += 1.0
+    assert live_edit(mine) is not None and live_edit(mine) is None

@@ -18,7 +18,7 @@ import torch
 
 from interlace.workers.calls import ProgramCall, error_record, run_shallow, start_at_points
 from interlace.workers.hooks import HookSet
-from interlace.workers.holds import Held, versions
+from interlace.workers.holds import Held, live_edit, versions
 from interlace.workers.ops import StepOp, apply as apply_op
 from interlace.workers.pinned import PinnedSlabs
 from interlace.workers.pipeline import HERE, StageMap
@@ -249,10 +249,10 @@ class PointDispatcher:
     def _start_together(self, step: Step, starts: list[tuple[ProgramCall, CallContext, Point, Any]]) -> None:
         """Start programs handed their first points' values (calls.start_at_points), then write
         back what each changed. Their values are views of one copy, which share its version
-        counter: one program's in-place edit shows in all their counters, so a program may be
-        taken for one that edited and its rows written back unchanged (a write into the copy
-        that is there already, TapAccess.write). A program whose writes are logged for a
-        preemption, which must see only its own, is never started with others."""
+        counter: the programs' in-place edits are all checked after the last one ran, and are
+        charged to the first program checked (holds.live_edit; the copy has every one's rows
+        already). A program whose writes are logged for a preemption, whose log must hold its
+        own edits, is never started with others."""
         start_at_points([(call, point, value) for call, _ctx, point, value in starts])
         for call, ctx, _point, _value in starts:
             self.after_resume(call, ctx)
@@ -282,8 +282,8 @@ class PointDispatcher:
             edited = None  # the value just written back for an in-place edit
             for held in ctx.holds.live:
                 if held.copy:
-                    now = versions(held.value)
-                    if now != held.versions or -1 in now:  # edited in place (or no counter to tell)
+                    now = live_edit(held)
+                    if now is not None:  # edited in place by this run (or no counter to tell)
                         held.written = held.value if held.split is None else _local(held.split, held.value)
                         held.access.write(held.point, held.rows, held.written)
                         held.versions = now

@@ -131,10 +131,32 @@ def versions(value: Any) -> tuple[int, ...]:
 
 
 # Views of one tensor share its version counter: every program's rows of a tap's one copy
-# (points.TapAccess) count the edits of all of them. A late edit is checked right after each run of
-# a program, so a counter that moved during that run moved by that program's edit: the counter's
-# value then is kept on the viewed tensor (``_SEEN``), and is no edit of the others' views.
-_SEEN = "_interlace_late_edit_seen"
+# (points.TapAccess) count the edits of all of them. Edits are checked right after each run of a
+# program (written back while the hook runs, refused once it returned), so a counter that moved
+# during that run moved by that program's edit: the counter's value then is kept on the viewed
+# tensor (``_SEEN``), and is no edit of the others' views.
+_SEEN = "_interlace_edit_seen"
+
+
+def live_edit(held: Held) -> tuple[int, ...] | None:
+    """After a run of the program holding ``held`` (a copy whose hook still runs): its version
+    counters if that run edited it in place, else None. A counter moved by another program's
+    edit of the same copy (a program suspended at the tap, e.g. at a ``recv``, while others edit
+    their rows; programs started together, calls.start_at_points, whose edits are checked after
+    all of them ran) was charged to the first program checked since; the copy has its rows already."""
+    now = versions(held.value)
+    if now == held.versions:
+        return None
+    value = held.value
+    if -1 in now or not isinstance(value, torch.Tensor):  # no counter to tell (or a tuple of copies): taken as edited
+        return now
+    base = value._base
+    owner = value if base is None else base
+    if getattr(owner, _SEEN, None) == now[0]:
+        held.versions = now
+        return None
+    setattr(owner, _SEEN, now[0])
+    return now
 
 
 def _edited(tensors: list[tuple[torch.Tensor, int]]) -> bool:
