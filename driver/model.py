@@ -40,6 +40,7 @@ from interlace.core.trace import (
     ProgramEndedEngine,
     TraceResult,
     WorkerDied,
+    check_program,
     check_trace,
     encode_payloads,
     new_trace_id,
@@ -251,8 +252,8 @@ class Trace:
         """Add a prompt (text or token ids) with an optional program and ops; returns its index."""
         if not isinstance(prompt, (str, list, tuple)) or (not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt)):
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if program is not None and not callable(program):
-            raise TypeError(f"program must be a function taking the model view m, got {program!r}")
+        if program is not None:
+            check_program(program)
         self.invokes.append(Invoke(prompt, program, list(ops), sorted(steps) if steps is not None else None))
         return len(self.invokes) - 1
 

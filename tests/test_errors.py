@@ -9,6 +9,7 @@ import torch
 
 import interlace
 from interlace import ops
+from interlace.core.trace import Invoke
 
 PROMPT = "The capital of France is"
 
@@ -190,6 +191,31 @@ def test_malformed_requests_are_refused_on_the_driver(llama):
         llama.generate(123)
     with pytest.raises(TypeError, match="program must be a function"):
         llama.generate(PROMPT, program="not a function")
+
+    # programs that would run without doing their work, or fail at their first step on the engine
+    def generator(m):
+        m.layers[1].resid += 1.0
+        yield
+
+    async def coroutine(m):
+        m.layers[1].resid += 1.0
+
+    def two_arguments(m, vector):
+        m.layers[1].resid += vector
+
+    for program, why in [(generator, "is a generator function"), (coroutine, "is an async function"),
+                         (two_arguments, r"two_arguments\(m, vector\) cannot be called with one argument"),
+                         (lambda: None, r"<lambda>\(\) cannot be called")]:
+        with pytest.raises(TypeError, match=why):
+            with llama.trace() as tr:
+                tr.invoke(PROMPT, program=program)
+    assert llama.generate(PROMPT, program=lambda m, scale=2.0: None).token_ids  # a default is fine
+    # sent anyway (a request not built by tr.invoke): it fails on the engine, alone
+    with pytest.raises(interlace.InterventionError, match="returned a generator without running its code") as err:
+        with llama.trace(max_tokens=2) as tr:
+            tr.invoke(PROMPT)
+            tr.invokes.append(Invoke(PROMPT, program=generator))
+    assert err.value.invoke == 1 and err.value.partial[0].token_ids
     with pytest.raises(ValueError, match="tokens must be"):
         ops.save("layers.1.resid", tokens="first")
     with pytest.raises(ValueError, match="no invokes"):

@@ -479,3 +479,22 @@ def test_a_folder_holding_another_sweep_is_refused_before_anything_starts(tmp_pa
     (tmp_path / "out" / "manifest.json").write_text(json.dumps({"identity": "another sweep"}))
     with pytest.raises(ValueError, match="holds another sweep"):
         run_sweep(SweepConfig.load(write_config(tmp_path, "mine", **fields)))
+
+
+def test_a_program_that_would_do_nothing_or_cannot_take_m_is_refused_before_anything_starts(tmp_path):
+    import ray
+
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    (tmp_path / "odd_programs.py").write_text(textwrap.dedent("""
+        def generator(m):
+            m.save("r", m.layers[1].resid)
+            yield
+
+        def two(m, layer):
+            m.save("r", m.layers[layer].resid)
+    """))
+    for name, why in [("generator", "generator is a generator function"), ("two", r"two\(m, layer\) cannot be called")]:
+        fields = dict(input={"paths": ["prompts.jsonl"]}, output=f"out-{name}", intervention={"program": f"odd_programs:{name}"})
+        with pytest.raises(ValueError, match=f"intervention.program 'odd_programs:{name}': program {why}"):
+            run_sweep(SweepConfig.load(write_config(tmp_path, name, **fields)))
+    assert not ray.is_initialized()

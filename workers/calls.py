@@ -48,6 +48,7 @@ earlier stage's accesses; each replayed access is checked against the one logged
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import time
@@ -359,7 +360,9 @@ class ProgramCall:
 
     def _run(self) -> None:
         try:
-            self.program(self.view)
+            returned = self.program(self.view)
+            if returned is not None:  # (the driver refuses such programs; a raw request may not have been checked)
+                _refuse_lazy(returned)
         except Suspended:
             pass
         except greenlet.GreenletExit:  # its worker is being collected (see _worker)
@@ -370,6 +373,15 @@ class ProgramCall:
         finally:
             WATCHDOG.leave(self)
             self._finish()
+
+
+def _refuse_lazy(returned: Any) -> None:
+    """Fail a program that returned a generator or coroutine: none of its code ran."""
+    if inspect.isgenerator(returned) or inspect.iscoroutine(returned) or inspect.isasyncgen(returned):
+        if hasattr(returned, "close"):  # no "coroutine was never awaited" warning
+            returned.close()
+        raise TypeError(f"the program returned a {type(returned).__name__} without running its code (a generator "
+                        "or async function); programs are plain functions of m")
 
 
 _START = object()  # handed to _switch_in by ProgramCall.start

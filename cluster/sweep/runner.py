@@ -59,7 +59,7 @@ from interlace.cluster.sweep.shard_writer import (
 )
 from interlace.cluster.sweep.store import SweepStore, is_url, shard_tensors
 from interlace.core import settings, sigterm
-from interlace.core.trace import batched, programs_by_value
+from interlace.core.trace import batched, check_program, programs_by_value
 
 MANIFEST = "manifest.json"
 SHARED_FILE = "shared.safetensors"
@@ -250,6 +250,10 @@ def _import_program(intervention: SweepIntervention, base_dir: str | Path | None
     program = getattr(module, attr, None)
     if not callable(program):
         raise ValueError(f"intervention.program {intervention.program!r}: {module_name} has no function {attr!r}")
+    try:  # before any engine starts
+        check_program(program)
+    except TypeError as exc:
+        raise ValueError(f"intervention.program {intervention.program!r}: {exc}") from None
     if intervention.batched:
         program = batched(program)
     return program

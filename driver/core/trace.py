@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import pickle
 import sys
 import sysconfig
@@ -37,6 +38,43 @@ def batched(program: Callable) -> Callable:
     """
     program.__interlace_batched__ = True
     return program
+
+
+def check_program(program: Any) -> None:
+    """Refuse, on the driver, a program the engine would run without ever doing its work: a
+    generator or ``async`` function (calling it only builds the generator or coroutine, so the
+    invoke would succeed having done nothing), or one that cannot be called with the view ``m``
+    alone (it would fail on the engine at its first step, after the trace was sent).
+
+        >>> check_program(lambda m: None)
+        >>> check_program(lambda: None)
+        Traceback (most recent call last):
+        TypeError: program <lambda>() cannot be called with one argument, the model view m, as the engine calls it at every step: define it as `def program(m): ...`
+    """
+    if not callable(program):
+        raise TypeError(f"program must be a function taking the model view m, got {program!r}")
+    target = getattr(program, "__call__", None) if not inspect.isroutine(program) and not inspect.isclass(program) else program
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise TypeError(f"program {_name(program)} is a generator function: calling it only builds a generator, "
+                        "so none of its code would run. Programs are plain functions (no `yield`); the engine "
+                        "calls them at every step, in forward order")
+    if inspect.iscoroutinefunction(target):
+        raise TypeError(f"program {_name(program)} is an async function: calling it only builds a coroutine, so "
+                        "none of its code would run. Programs are plain functions (no `async`/`await`); a point's "
+                        "value is there when the program reads it")
+    try:
+        signature = inspect.signature(program)
+    except (TypeError, ValueError):  # a builtin or extension callable without one: let the engine try
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise TypeError(f"program {_name(program)}{signature} cannot be called with one argument, the model "
+                        "view m, as the engine calls it at every step: define it as `def program(m): ...`") from None
+
+
+def _name(program: Any) -> str:
+    return getattr(program, "__qualname__", None) or type(program).__qualname__
 
 
 @dataclass
