@@ -838,3 +838,35 @@ def test_a_late_edit_of_a_taps_copy_fails_only_the_program_that_made_it(tapped):
     assert err.value.invoke == 1
     assert program_steps(tapped) >= before + 2
     assert len(err.value.partial[0].saves["h"]) == len(err.value.partial[0].saves["l2"])
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, "GreenletExit"])
+def test_a_program_raising_a_base_exception_fails_alone_where_programs_start_together(tapped, llama, exc):
+    """A program that raises what is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``,
+    greenlet's own ``GreenletExit``, which greenlet also raises in a worker it collects) fails its
+    invoke alone, as any failure does, among programs started together at a tap (and on the hook
+    path of an engine without taps); the others' results are the hook path's."""
+    import greenlet
+
+    raised = greenlet.GreenletExit if exc == "GreenletExit" else exc
+    steer = vector(41)
+
+    def steers(m):
+        m.layers[1].resid += steer
+
+    def raises(m):
+        m.layers[1].resid += steer
+        if m.step == 2:
+            raise raised("this invoke's own")
+
+    def trace(model):
+        with pytest.raises(interlace.InterventionError, match=f"{raised.__name__}: this invoke's own") as err:
+            with model.trace(max_tokens=4, ignore_eos=True) as tr:
+                for k, program in enumerate([steers, raises, steers]):
+                    tr.invoke(f"Prompt number {k} of the run", program=program)
+        assert err.value.invoke == 1
+        return err.value.partial
+
+    got, want = trace(tapped), trace(llama)
+    assert_same(got, want, **PIECES_VS_EAGER)
+    assert tapped.generate("Hello there", max_tokens=2, program=steers).token_ids

@@ -151,6 +151,7 @@ class ProgramCall:
         self.last_inputs: tuple | None = None
         self._greenlet: greenlet.greenlet | None = None  # the worker running the program, from start to its end
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
+        self._dropped = False  # its worker was collected while the program waited (greenlet raised GreenletExit there)
 
     def again(self, budget_s: float) -> None:
         """The same program over the same invokes one step on, within an epoch (the interleaver
@@ -168,6 +169,7 @@ class ProgramCall:
         self.timed_out = self.stopped = self.watched = False
         self.writes = 0
         self._greenlet = self._engine = None
+        self._dropped = False
         self.last_first, self.first_point = self.first_point, None
         self.unstarted, self._handed = False, None
         self.view._bind(self)
@@ -353,7 +355,11 @@ class ProgramCall:
                     return handed[1]
         WATCHDOG.leave(self)
         self.waiting_for = point
-        value = self._engine.switch()
+        try:
+            value = self._engine.switch()
+        except greenlet.GreenletExit:  # its worker is being collected: dropped while it waited (see _worker)
+            self._dropped = True
+            raise
         if isinstance(value, ProgramError):
             raise value
         return value
@@ -365,9 +371,9 @@ class ProgramCall:
                 _refuse_lazy(returned)
         except Suspended:
             pass
-        except greenlet.GreenletExit:  # its worker is being collected (see _worker)
-            raise
         except BaseException as exc:  # noqa: BLE001 - every user failure becomes a record
+            if self._dropped and type(exc) is greenlet.GreenletExit:  # its worker is being collected (see _worker)
+                raise  # (a GreenletExit the program raised itself is a failure like any other)
             if not (self.timed_out or self.stopped):
                 self.error = error_record(exc, where=self.view.where())
         finally:
