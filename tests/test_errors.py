@@ -283,3 +283,31 @@ def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(llama, oracl
         llama.generate(PROMPT, program=crash, max_tokens=2)
     _still_serves(llama, oracles)
     assert llama.engine is not dead
+
+
+def test_m_used_from_another_thread_raises_there_and_the_program_goes_on(llama, oracles):
+    """``m`` reads switch the program back to the engine, which only its own run can do: a read
+    from a thread the program started raises a clear error in that thread, and changes nothing
+    of the program's state (its own reads, time limit and results stay right)."""
+    import threading
+
+    def program(m):
+        caught = []
+
+        def read():
+            try:
+                m.layers[2].resid
+            except RuntimeError as exc:
+                caught.append(str(exc))
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        thread.join()
+        assert caught and "read from outside the program's own run" in caught[0], caught
+        m.save("r2", m.layers[2].resid)
+
+    ids = oracles["tiny-llama"].ids(PROMPT)
+    got = llama.generate(ids, program=program, max_tokens=3, ignore_eos=True)
+    want = llama.generate(ids, program=lambda m: m.save("r2", m.layers[2].resid), max_tokens=3, ignore_eos=True)
+    assert got.token_ids == want.token_ids and torch.equal(got.saves["r2"], want.saves["r2"])
+    _still_serves(llama, oracles)

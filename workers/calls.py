@@ -342,6 +342,9 @@ class ProgramCall:
 
     def wait_at(self, point: Point) -> Any:
         """Called from the program: switch back to the engine until it reaches ``point``."""
+        if greenlet.getcurrent() is not self._greenlet:  # before any of the call's state changes
+            raise RuntimeError(f"{point} was read from outside the program's own run (another thread, or after the "
+                               "step): a program reads and writes m only in its own code, as the engine calls it")
         if self.timed_out:  # still watched: a program that swallows this is interrupted again
             raise ProgramError("time limit")
         if self.first_point is None:
