@@ -17,7 +17,7 @@ from interlace.cluster.merge import merge_shared
 from interlace.core.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
 from interlace.core.wire import Completion, ErrorRecord, InvokePayload, Report
 from interlace.workers.scheduler import GANG_KEY, PROGRAM_KEY, WHOLE_PROMPT_KEY
-from interlace.workers.sink import read_new_reports, writing_reports
+from interlace.workers.sink import INLINE_BYTES, park, read_new_reports, writing_reports
 
 
 def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[InvokePayload | None], settings: dict,
@@ -36,6 +36,7 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
     settings = {"output_kind": RequestOutputKind.FINAL_ONLY, **settings}
     gang_size = sum(p is not None for p in payloads)  # enter vLLM's scheduler together (workers/scheduler.py)
     requests, params = [], []
+    parked: dict[int, dict] = {}  # id of a payload's program or ops bytes -> what its requests carry instead
     for text_or_ids, payload in zip(prompts, payloads):
         prompt: dict = {"prompt": text_or_ids} if isinstance(text_or_ids, str) else {"prompt_token_ids": list(text_or_ids)}
         extra = None
@@ -43,7 +44,9 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
             # A unique salt keeps prefix caching from skipping this request's prompt tokens,
             # which its hooks must see; plain requests keep the cache.
             prompt["cache_salt"] = f"interlace-{wire_trace}-{payload.invoke}"
-            extra = {"interlace": payload_bytes(payload, trace=wire_trace, sink=sink or payload.sink),
+            where = sink or payload.sink
+            changes = _parked(payload, where, wire_trace, parked) if where.startswith("dir:") else {}
+            extra = {"interlace": payload_bytes(payload, trace=wire_trace, sink=where, **changes),
                      GANG_KEY: [wire_trace, payload.invoke, gang_size]}
             if payload.program is not None:
                 extra[PROGRAM_KEY] = True  # preempted last: its accesses cannot be replayed
@@ -52,6 +55,21 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
         requests.append(prompt)
         params.append(SamplingParams(**settings, extra_args=extra))
     return requests, params
+
+
+def _parked(payload: InvokePayload, sink: str, wire_trace: str, parked: dict[int, dict]) -> dict:
+    """The payload's program and ops larger than INLINE_BYTES, written once into the trace's
+    folder of the ``dir:`` sink its ranks read (workers/sink.py, ``park``): the changes that
+    leave them out of its request. (A ``ray:`` sink's ranks may be on other nodes: they stay inline.)"""
+    changes: dict = {}
+    for part, data, key in (("program", payload.program, payload.program_key), ("ops", payload.ops, payload.ops_key)):
+        if data is None or len(data) <= INLINE_BYTES:
+            continue
+        if id(data) not in parked:  # one object per distinct program or op list (encode_payloads)
+            park(sink, wire_trace, part, key, data)
+            parked[id(data)] = {part: None, f"{part}_parked": True}
+        changes.update(parked[id(data)])
+    return changes
 
 
 class ReportWatcher:

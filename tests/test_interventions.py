@@ -439,3 +439,55 @@ def test_saves_past_the_reservation_threshold_come_back_exact(llama, oracles):
     base = torch.arange(rows * 128, dtype=torch.float32).reshape(rows, 128)
     for step in range(3):
         assert torch.equal(got[step * rows : (step + 1) * rows], base + step), step
+
+
+def test_a_large_program_or_op_list_travels_once_per_trace_with_the_same_results(llama, oracles, tmp_path):
+    """A program holding a large tensor, or a long op list, is written once into the trace's
+    report folder for the ranks to read, instead of riding in every invoke's request (each is
+    copied into vLLM's engine core and to every rank). Results equal those of the same
+    interventions small enough to ride inline."""
+    from interlace.cluster.assembly import build_requests
+    from interlace.core.trace import Invoke, encode_payloads
+    from interlace.workers.sink import INLINE_BYTES
+
+    big = torch.randn(1 << 18)  # 1 MiB a program carries, of which it uses 128 values
+    small = big[:128].clone()
+    vectors = [torch.randn(128, generator=torch.Generator().manual_seed(k)) * 0.01 for k in range(160)]
+    long_ops = [ops.add("layers.1.resid", v) for v in vectors] + [ops.save("layers.2.resid", tokens="last")]
+
+    def steers_from(source):
+        def steer(m):
+            m.layers[1].resid += source[:128]
+            m.save("r2", m.layers[2].resid)
+        return steer
+
+    def batched_from(source):
+        @interlace.batched
+        def steer(m):
+            m.layers[1].resid += source[:128]
+            m.save("r2", m.last(m.layers[2].resid))
+        return steer
+
+    def run(steer, batched, op_list):
+        with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+            for k in range(4):
+                tr.invoke(f"Prompt {k} of the trace", program=steer)
+                tr.invoke(f"Batched prompt {k}", program=batched)
+                tr.invoke(f"Ops prompt {k}", ops=op_list)
+        return tr.result
+
+    heavy, light = steers_from(big), steers_from(small)
+    got = run(heavy, batched_from(big), long_ops)
+    want = run(light, batched_from(small), [ops.add("layers.1.resid", torch.stack(vectors).sum(0))] + long_ops[-1:])
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        for name in b.saves:
+            torch.testing.assert_close(a.saves[name], b.saves[name], atol=1e-5, rtol=1e-5)
+
+    invokes = [Invoke(f"p{k}", program=heavy) for k in range(8)] + [Invoke("q", ops=long_ops), Invoke("plain")]
+    payloads = encode_payloads(invokes, "t", f"dir:{tmp_path}", 60.0, 1 << 20)
+    assert len(payloads[0].program) > INLINE_BYTES and len(payloads[8].ops) > INLINE_BYTES
+    _, params = build_requests([inv.prompt for inv in invokes], payloads, {"max_tokens": 1}, "t")
+    carried = [len(p.extra_args["interlace"]) for p in params if p.extra_args]
+    assert len(carried) == 9 and max(carried) < 4096
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "t").iterdir()) == ["ops", "program"]  # each once

@@ -46,6 +46,7 @@ from interlace.workers.prologue import prologue_of
 from interlace.workers.reporter import Reporter
 from interlace.workers.reports import ReportBatcher
 from interlace.workers.saves import SaveLedger
+from interlace.workers.sink import parked_path
 from interlace.workers.slots import SlotTable
 from interlace.workers.states import CallContext, InvokeState, Step
 from interlace.workers.step_schedule import StepScheduler
@@ -145,12 +146,12 @@ class Interleaver(ProgramServices):
         self.scheduler.end_epochs()  # a new invoke starts a new epoch
         try:
             if payload["ops_key"] not in self._ops:  # unpickled once per distinct list: shared by a sweep
-                ops = cloudpickle.loads(payload["ops"])
+                ops = cloudpickle.loads(_part(payload, "ops", payload["ops_key"]))
                 for op in ops:
                     op["_point"] = self.tree.op_point(op["point"])
                 self._ops[payload["ops_key"]] = ops
             state.ops = self._ops[payload["ops_key"]]
-            if payload.get("program") is not None:
+            if payload["program_key"] is not None:
                 key = payload["program_key"]
                 if key not in self._programs:
                     # unpickling runs the program's own code too (__reduce__, module-level statements)
@@ -158,7 +159,7 @@ class Interleaver(ProgramServices):
                     if flight is not None:
                         flight.enter()
                     try:
-                        program = cloudpickle.loads(payload["program"])
+                        program = cloudpickle.loads(_part(payload, "program", key))
                     finally:
                         if flight is not None:
                             flight.leave()
@@ -605,3 +606,11 @@ def _on_device(program: Any, device: torch.device) -> Any:
             elif inspect.isfunction(value) and getattr(value, "__module__", None) == getattr(fn, "__module__", None):
                 stack.append(value)  # a helper shipped with the program (its own module's)
     return program
+
+
+def _part(payload: dict, part: str, key: str) -> bytes:
+    """A payload's program or ops bytes: in the request, or parked once in its trace's folder
+    (cluster/assembly.py; workers/sink.py)."""
+    if payload.get(f"{part}_parked"):
+        return parked_path(payload["sink"], payload["trace"], part, key).read_bytes()
+    return payload[part]

@@ -14,6 +14,7 @@ Used on each rank from its reporter thread only (a sink keeps the trace's open d
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import shutil
@@ -102,6 +103,33 @@ class DirSink:
                 data = DataFile(folder / f"{stage}-{os.getpid()}-{next(_numbers)}.data")
             self._data[(trace, stage)] = data
         return self._data[(trace, stage)]
+
+
+# A trace's programs and op lists larger than this travel once, as a file in the trace's folder
+# (``park``), not in each of its requests: every request's bytes are copied into vLLM's engine core
+# and again to every rank, so a batched program holding a 64 MiB tensor cost a 64-invoke trace 4 GiB
+# of copies, and a 256-invoke one more memory than the machine had. Smaller ones stay inline (a file
+# per trace would cost a per-invoke trace's start more than their copies do).
+INLINE_BYTES = 64 << 10
+
+
+def parked_path(sink: str, trace: str, part: str, key: str) -> Path:
+    """Where a ``dir:`` sink's trace keeps a parked program or op list (``part``) of ``key``."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]  # an op list's key is long, and not a file name
+    return Path(sink.removeprefix("dir:")) / trace / f"{part}-{digest}.pickle"
+
+
+def park(sink: str, trace: str, part: str, key: str, data: bytes) -> None:
+    """Write ``data`` where the ranks read it (:func:`parked_path`), once per trace and key: a
+    complete file or none (written under another name, then renamed)."""
+    path = parked_path(sink, trace, part, key)
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".park-")
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.replace(tmp, path)
 
 
 def read_new_reports(folder: Path, seen: set[str]) -> list[dict]:
