@@ -183,6 +183,10 @@ def test_wrong_module_names(llama, oracles):
         llama.generate(PROMPT, ops=[ops.save("layers.1.mlpp.output")])
     with pytest.raises(ValueError, match="must end in one of"):
         llama.generate(PROMPT, ops=[ops.save("layers.1.mlp")])
+    with pytest.raises(interlace.InterventionError, match=r"IndexError: module list 'model.layers' has 4 modules; index 4"):
+        llama.generate(PROMPT, program=lambda m: m.layers[4].resid)
+    with pytest.raises(interlace.InterventionError, match=r"module 'model.layers.1' is not a module list; its children are"):
+        llama.generate(PROMPT, program=lambda m: [layer for layer in m.layers[1]])
     _still_serves(llama, oracles)
 
 

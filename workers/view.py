@@ -49,18 +49,33 @@ class Node:
         kid = self._kids[name] = Node(self._view, self._view._resolve(f"{self._path}.{name}"))
         return kid
 
-    def __getitem__(self, index: int) -> "Node":
+    def __getitem__(self, index: int | slice) -> "Node | list[Node]":
         kid = self._kids.get(index) if type(index) is int else None
         if kid is not None:
             return kid
+        if isinstance(index, slice):  # ``m.layers[1:3]``: a list of its modules
+            return [self[i] for i in range(*index.indices(len(self)))]
         if not isinstance(index, int):
-            raise TypeError(f"module lists are indexed by int, not {type(index).__name__}")
-        at = index + len(self._view._tree.children(self._path)) if index < 0 else index
+            raise TypeError(f"module lists are indexed by int or slice, not {type(index).__name__}")
+        count = len(self)
+        at = index + count if index < 0 else index
+        if not 0 <= at < count:  # IndexError: what ends ``for layer in m.layers`` too
+            raise IndexError(f"module list {self._path!r} has {count} modules; index {index} is out of range")
         kid = self._kids[index] = Node(self._view, self._view._resolve(f"{self._path}.{at}"))
         return kid
 
+    def __iter__(self):
+        """``for layer in m.layers``: the modules of a module list, in order."""
+        names = self._view._tree.children(self._path)
+        if not all(name.isdigit() for name in names):
+            raise TypeError(f"module {self._path!r} is not a module list; its children are {names}")
+        return (self[i] for i in range(len(names)))
+
     def __len__(self) -> int:
         return len(self._view._tree.children(self._path))
+
+    def __bool__(self) -> bool:  # a module without children (``o_proj``) is still a module, not an empty list
+        return True
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in ("output", "input", "resid"):
