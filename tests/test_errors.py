@@ -190,6 +190,11 @@ def test_wrong_module_names(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_nnsights_save_idiom_fails_with_what_to_write_instead(llama):
+    with pytest.raises(interlace.InterventionError, match=r"no attribute 'save'; .* m.save\(name, value\)"):
+        llama.generate(PROMPT, program=lambda m: m.layers[1].resid.save())
+
+
 def test_malformed_requests_are_refused_on_the_driver(llama):
     with pytest.raises(TypeError, match="prompt must be"):
         llama.generate(123)

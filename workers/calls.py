@@ -91,11 +91,22 @@ class _Finished:
 FINISHED = _Finished()
 
 
+# Failures that NNsight's idioms meet here, and what to write instead (appended to the message)
+_HINTS = (
+    (AttributeError, "object has no attribute 'save'",
+     "values in a program are plain tensors: save one with m.save(name, value) (NNsight's value.save())"),
+)
+
+
 def error_record(exc: BaseException, where: str) -> dict:
     """A picklable description of a failure, with the user's own traceback."""
+    message = str(exc)
+    for kind, says, hint in _HINTS:
+        if isinstance(exc, kind) and says in message:
+            message = f"{message}; {hint}"
     return {
         "type": type(exc).__name__,
-        "message": str(exc),
+        "message": message,
         "where": where,
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
     }
