@@ -229,6 +229,8 @@ def test_malformed_requests_are_refused_on_the_driver(llama):
         ops.save("layers.1.resid", tokens="first")
     with pytest.raises(ValueError, match="no invokes"):
         llama.trace().run()
+    with pytest.raises(ValueError, match="n=2: each invoke generates one sequence"):  # vLLM's parallel sampling
+        llama.generate(PROMPT, n=2, temperature=1.0)
     with pytest.raises(TypeError, match="made with interlace.ops"):  # a hand-made op dict
         llama.generate(PROMPT, ops=[{"op": "zero", "point": "layers.1.resid"}])
 

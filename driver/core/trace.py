@@ -236,6 +236,9 @@ def check_trace(invokes: list[Invoke], settings: dict, tree) -> None:
     both call this, so a trace one refuses the other refuses too)."""
     if not invokes:
         raise ValueError("the trace has no invokes; add one with tr.invoke(prompt, ...)")
+    if settings.get("n", 1) != 1:  # vLLM would return n sequences where a result holds one
+        raise ValueError(f"n={settings['n']}: each invoke generates one sequence, with its own result; for several "
+                         "samples of one prompt, invoke it several times (with a temperature each samples its own)")
     for inv in invokes:
         check_ops(inv.ops, tree, settings.get("max_tokens"))
 
