@@ -190,9 +190,11 @@ def test_wrong_module_names(llama, oracles):
     _still_serves(llama, oracles)
 
 
-def test_nnsights_save_idiom_fails_with_what_to_write_instead(llama):
+def test_nnsights_save_and_gradients_fail_saying_what_to_do_instead(llama):
     with pytest.raises(interlace.InterventionError, match=r"no attribute 'save'; .* m.save\(name, value\)"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].resid.save())
+    with pytest.raises(interlace.InterventionError, match=r"does not require grad.*; the model runs without gradients"):
+        llama.generate(PROMPT, program=lambda m: m.logits.sum().backward())
 
 
 def test_malformed_requests_are_refused_on_the_driver(llama):

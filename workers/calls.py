@@ -95,6 +95,8 @@ FINISHED = _Finished()
 _HINTS = (
     (AttributeError, "object has no attribute 'save'",
      "values in a program are plain tensors: save one with m.save(name, value) (NNsight's value.save())"),
+    (RuntimeError, "does not require grad",
+     "the model runs without gradients (vLLM's inference kernels have no backward; docs/guide.md, Limits today)"),
 )
 
 
