@@ -484,6 +484,7 @@ def test_a_folder_holding_another_sweep_is_refused_before_anything_starts(tmp_pa
 def test_a_program_that_would_do_nothing_or_cannot_take_m_is_refused_before_anything_starts(tmp_path):
     import ray
 
+    ray_was_up = ray.is_initialized()  # (this module's other tests may have left their cluster up)
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
     (tmp_path / "odd_programs.py").write_text(textwrap.dedent("""
         def generator(m):
@@ -497,4 +498,4 @@ def test_a_program_that_would_do_nothing_or_cannot_take_m_is_refused_before_anyt
         fields = dict(input={"paths": ["prompts.jsonl"]}, output=f"out-{name}", intervention={"program": f"odd_programs:{name}"})
         with pytest.raises(ValueError, match=f"intervention.program 'odd_programs:{name}': program {why}"):
             run_sweep(SweepConfig.load(write_config(tmp_path, name, **fields)))
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == ray_was_up  # refused before the sweep joins or starts a Ray cluster
