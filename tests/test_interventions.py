@@ -495,27 +495,31 @@ def test_a_large_program_or_op_list_travels_once_per_trace_with_the_same_results
 
 def test_module_lists_iterate_and_slice_as_torchs_do(llama, oracles):
     """``for layer in m.layers``, ``m.layers[1:3]``, ``m.layers[-1]`` and ``len(m.layers)`` select
-    the modules a ``torch.nn.ModuleList`` would, each reading its own layer's stream."""
+    the modules a ``torch.nn.ModuleList`` would, each reading its own layer's stream. (A name per
+    layer: under pipeline parallelism one name is saved on one stage.)"""
     ids = oracles["tiny-llama"].ids("The quick brown fox")
 
     def iterate(m):
         middle = m.layers[1:3]
-        for layer in m.layers:
-            m.save("each", layer.resid[-1])
+        for i, layer in enumerate(m.layers):
+            m.save(f"layer{i}", layer.resid[-1])
             if layer in middle:
-                m.save("middle", layer.resid[-1])
+                m.save(f"middle{i}", layer.resid[-1])
+        m.save("last", m.layers[-1].resid[-1])
         m.save("count", torch.tensor(len(m.layers)))
 
     def index(m):
         for i in range(4):
-            m.save("each", m.layers[i].resid[-1])
+            m.save(f"layer{i}", m.layers[i].resid[-1])
             if i in (1, 2):
-                m.save("middle", m.layers[i].resid[-1])
+                m.save(f"middle{i}", m.layers[i].resid[-1])
 
     got = llama.generate(ids, program=iterate)
     want = llama.generate(ids, program=index)
-    assert got.saves["count"] == 4
-    for name in ("each", "middle"):
-        assert torch.equal(got.saves[name], want.saves[name])
+    assert got.saves.pop("count") == 4 and torch.equal(got.saves.pop("last"), got.saves["layer3"])
+    assert sorted(got.saves) == sorted(want.saves) == [*(f"layer{i}" for i in range(4)), "middle1", "middle2"]
+    for name in want.saves:
+        assert torch.equal(got.saves[name], want.saves[name]), name
     ref = oracles["tiny-llama"].run(ids)["resid"]
-    torch.testing.assert_close(got.saves["each"].reshape(4, -1), torch.stack([r[-1] for r in ref]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack([got.saves[f"layer{i}"] for i in range(4)]), torch.stack([r[-1] for r in ref]),
+                               atol=1e-4, rtol=1e-4)
