@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from interlace.cluster.merge import merge_shared
+from interlace.cluster.merge import MergeError, merge_shared
 from interlace.core.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
 from interlace.core.wire import Completion, ErrorRecord, InvokePayload, Report
 from interlace.workers.scheduler import GANG_KEY, PROGRAM_KEY, WHOLE_PROMPT_KEY
@@ -118,10 +118,12 @@ class ReportWatcher:
 
 
 def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],
-             reports: dict[int, list[Report]], shared: dict[str, Any] | None = None) -> TraceResult:
+             reports: dict[int, list[Report]], shared: dict[str, Any] | None = None,
+             merge_error: MergeError | None = None) -> TraceResult:
     """The trace's result from each invoke's completion and its reports (one per pipeline stage;
     a cluster's come from several replicas); raises the first failure as InterventionError.
-    ``shared``: the trace's shared values merged already (a cluster's collector does)."""
+    ``shared``: the trace's shared values merged already (a cluster's collector does), or
+    ``merge_error``: why they could not be (the trace fails with every invoke's results kept)."""
     results, contributions, first_error = [], [], None
     for index, (inv, done) in enumerate(zip(invokes, completions)):
         saves: dict[str, Any] = {}
@@ -140,5 +142,11 @@ def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],
     result = TraceResult(results, {})
     if first_error is not None:
         raise InterventionError(first_error[0], first_error[1].to_dict(), partial=result)
-    result.shared = merge_shared(contributions) if shared is None else shared
+    try:
+        if merge_error is not None:
+            raise merge_error
+        result.shared = merge_shared(contributions) if shared is None else shared
+    except MergeError as exc:
+        record = ErrorRecord("MergeError", f"merging the shared value {exc.name!r}", str(exc), "")
+        raise InterventionError(exc.invoke, record.to_dict(), partial=result) from None
     return result

@@ -18,7 +18,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from interlace.cluster.merge import merge_shared
+from interlace.cluster.merge import MergeError, merge_shared
 from interlace.core.wire import Report
 
 Key = tuple[int, int]  # (invoke, stage)
@@ -30,7 +30,7 @@ class TraceReports:
 
     reports: dict[int, list[Report]]  # by invoke, one per stage; saves still object refs
     shared: dict[str, Any]  # merged across invokes, stages, shards and replicas
-    merge_error: str | None = None  # merging failed (e.g. one name with two merges): the message
+    merge_error: MergeError | None = None  # merging failed (e.g. one name with two merges)
 
 
 @dataclass
@@ -126,8 +126,8 @@ def _deliver(received) -> TraceReports:
         return TraceReports(by_invoke, {})
     try:
         return TraceReports(by_invoke, merge_shared(contributions))
-    except Exception as exc:  # noqa: BLE001 - the user's merge; raised on the driver
-        return TraceReports(by_invoke, {}, merge_error=f"{type(exc).__name__}: {exc}")
+    except MergeError as exc:  # the programs' contributions: the trace fails on the driver, its results kept
+        return TraceReports(by_invoke, {}, merge_error=exc)
 
 
 def start_collector(name: str | None = None, max_restarts: int = -1):

@@ -19,19 +19,50 @@ MERGES = ("append", "sum", "mean", "max", "concat")
 Contribution = tuple[int, str, str, Any]  # (invoke index, name, merge, value)
 
 
+class MergeError(ValueError):
+    """A shared value whose contributions cannot be merged; ``invoke``: the first that contributed."""
+
+    def __init__(self, name: str, invoke: int, message: str):
+        super().__init__(message)
+        self.name, self.invoke = name, invoke
+
+    def __reduce__(self):
+        return MergeError, (self.name, self.invoke, str(self))
+
+
 def merge_shared(contributions: Iterable[Contribution]) -> dict[str, Any]:
-    """Merge every name's contributions, in invoke order (stable within one invoke)."""
+    """Merge every name's contributions, in invoke order (stable within one invoke); a name that
+    cannot be merged raises :class:`MergeError`, saying which name, which merge and what each
+    invoke contributed."""
     by_name: dict[str, list[tuple[int, str, Any]]] = {}
     for invoke, name, how, value in contributions:
         by_name.setdefault(name, []).append((invoke, how, value))
     merged = {}
     for name, items in by_name.items():
+        items.sort(key=lambda item: item[0])
         hows = {how for _, how, _ in items}
         if len(hows) != 1:
-            raise ValueError(f"shared value {name!r} was contributed with different merges {sorted(hows)}; use one")
-        items.sort(key=lambda item: item[0])
-        merged[name] = merge_values([value for _, _, value in items], hows.pop())
+            raise MergeError(name, items[0][0], f"shared value {name!r} was contributed with different merges "
+                                                f"{sorted(hows)}; use one")
+        how = hows.pop()
+        try:
+            merged[name] = merge_values([value for _, _, value in items], how)
+        except MergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the contributions are the programs' own
+            raise MergeError(name, items[0][0], f"shared value {name!r} (merge {how!r}) could not be merged: "
+                                                f"{type(exc).__name__}: {exc}; contributed {_described(items)}") from None
     return merged
+
+
+def _described(items: list[tuple[int, str, Any]], most: int = 8) -> str:
+    """What each invoke contributed, by shape (``invoke 0: (6,) float32``), the first ``most``."""
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return type(value).__name__
+    listed = ", ".join(f"invoke {invoke}: {one(value)}" for invoke, _, value in items[:most])
+    return listed + (f", ... ({len(items)} in all)" if len(items) > most else "")
 
 
 def merge_values(values: list[Any], how: str) -> Any:

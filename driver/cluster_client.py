@@ -252,7 +252,7 @@ class Cluster:
                     completions[i] = done
             delivered = await self._take(trace_id)
             if delivered is not None:
-                return assemble(trace.invokes, completions, delivered.reports, delivered.shared)
+                return assemble(trace.invokes, completions, delivered.reports, delivered.shared, delivered.merge_error)
         raise WorkerDied(f"trace {trace_id}: its reports were lost {self.config.max_retries + 1} times "
                          "(the collector restarted each time); giving up")
 
@@ -293,8 +293,6 @@ class Cluster:
                 report.saves = values[report.saves.ref][report.saves.index]
             elif isinstance(report.saves, SavesOnNode):
                 report.saves = on_node[report.saves.folder, report.saves.invoke, report.saves.stage]
-        if delivered.merge_error is not None:
-            raise ValueError(delivered.merge_error)
         return delivered
 
     async def _run_shard(self, task: ShardTask, attempts: Iterable[int]) -> list[Completion]:

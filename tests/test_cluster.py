@@ -376,3 +376,26 @@ def test_a_program_that_ends_its_engine_fails_alone_and_once(no_retries, clean, 
     # innocent shards did share the dead engine (the case under test), and ran again free
     assert after["lost_to_programs"]["reruns"] > before["lost_to_programs"]["reruns"], after
     _whole_again(cluster)
+
+
+def shares_its_prompt(m):
+    m.share("by_length", torch.ones(m.layers[0].resid.shape[0]), merge="sum")  # rows: this invoke's prompt length
+
+
+def test_shared_values_that_cannot_merge_fail_the_trace_alike_with_every_result_kept(cluster, llama):
+    """Contributions one merge cannot combine (a sum over prompts of different lengths) fail the
+    trace with the name, the merge and each invoke's contribution, on a model and a cluster (merged by
+    the collector) alike; every invoke's tokens come back in the error's partial result."""
+    prompts = [f"Sample {i} of the sweep" + " long" * (i % 2) for i in range(6)]
+    errors = []
+    for target in (cluster, llama):
+        with pytest.raises(interlace.InterventionError, match=r"shared value 'by_length' \(merge 'sum'\) could not be "
+                           r"merged: RuntimeError: .*; contributed invoke 0: \(\d+,\) float32, invoke 0: \(1,\) float32, "
+                           r"invoke 1: .*\(12 in all\)") as err:  # a contribution per step
+            with target.trace(max_tokens=2) as tr:
+                for p in prompts:
+                    tr.invoke(p, program=shares_its_prompt)
+        errors.append(err.value)
+    assert [e.invoke for e in errors] == [0, 0]
+    assert [r.token_ids for r in errors[0].partial] == [r.token_ids for r in errors[1].partial]
+    assert all(len(r.token_ids) == 2 for r in errors[0].partial)
