@@ -47,8 +47,6 @@ def merge_shared(contributions: Iterable[Contribution]) -> dict[str, Any]:
         how = hows.pop()
         try:
             merged[name] = merge_values([value for _, _, value in items], how)
-        except MergeError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the contributions are the programs' own
             raise MergeError(name, items[0][0], f"shared value {name!r} (merge {how!r}) could not be merged: "
                                                 f"{type(exc).__name__}: {exc}; contributed {_described(items)}") from None

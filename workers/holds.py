@@ -150,12 +150,11 @@ def live_edit(held: Held) -> tuple[int, ...] | None:
     value = held.value
     if -1 in now or not isinstance(value, torch.Tensor):  # no counter to tell (or a tuple of copies): taken as edited
         return now
-    base = value._base
-    owner = value if base is None else base
-    if getattr(owner, _SEEN, None) == now[0]:
+    pair = [(value, held.versions[0])]
+    if not _edited(pair):  # moved by another program's edit, charged to it
         held.versions = now
         return None
-    setattr(owner, _SEEN, now[0])
+    _charged(pair)
     return now
 
 
