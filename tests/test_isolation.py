@@ -121,6 +121,44 @@ def test_a_program_that_swallows_its_interruption_is_stopped_and_the_next_trace_
     _next_trace_is_exact(llama, oracle)
 
 
+def _own_settings(m):
+    """Sets torch's thread-wide settings, and reads the model under them (the engine runs its
+    layers 1 and 2, and the neighbour's program, while this one waits at layer 2)."""
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)  # (vLLM's CPU worker ignores this; a GPU worker's is put back)
+    torch.set_default_device("meta")  # left set: it ends with this program
+    with torch.enable_grad(), torch.device("meta"):
+        m.layers[0].resid += 0
+        m.layers[2].resid += 0
+        kept = [torch.zeros(1).is_meta, torch.get_default_dtype() == torch.float64, torch.is_grad_enabled()]
+    torch.set_default_device(None)
+    m.save("kept", torch.tensor(kept))
+
+
+def test_a_programs_torch_settings_are_its_own(llama, oracles):
+    """Settings torch keeps per thread (grad mode, default dtype and device, ``with
+    torch.device(...)``) that a program sets stay its own across its reads: the engine's forward
+    pass and the other invokes' programs run with the engine's. A meta default device across a
+    read used to end the engine's worker, failing every trace in the batch."""
+    oracle = oracles["tiny-llama"]
+    hostile, neighbour = _prompt(oracle, "Settings of my own"), _prompt(oracle, "A neighbour steers")
+    vector = torch.randn(oracle.model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+
+    def steer(m):
+        m.layers[1].resid += vector
+        m.save("seen", torch.tensor([torch.zeros(1).is_meta, torch.get_default_dtype() == torch.float32,
+                                     torch.is_grad_enabled()]))
+
+    with llama.trace(max_tokens=4, ignore_eos=True) as tr:
+        tr.invoke(hostile, program=_own_settings)
+        tr.invoke(neighbour, program=steer)
+    assert tr.result[0].saves["kept"].all(), "the program lost its own settings at a read"
+    assert tr.result[0].token_ids == oracle.greedy(hostile, 4)
+    assert tr.result[1].saves["seen"].tolist() == [False, True, False] * 4, "a neighbour ran with another's settings"
+    assert tr.result[1].token_ids == oracle.greedy(neighbour, 4, hooks={oracle.layers[1]: lambda out: out + vector})
+    _next_trace_is_exact(llama, oracle)
+
+
 def test_engine_settings_that_skip_hooks_are_refused_before_an_engine_starts():
     from interlace.cluster.config import ModelConfig
     from interlace.cluster.engine import engine_args

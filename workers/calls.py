@@ -58,6 +58,7 @@ from typing import Any, Callable
 import greenlet
 import torch
 
+from interlace.workers import torch_state
 from interlace.workers.points import Point
 from interlace.workers.watchdog import Watchdog
 
@@ -165,6 +166,9 @@ class ProgramCall:
         self._greenlet: greenlet.greenlet | None = None  # the worker running the program, from start to its end
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
         self._dropped = False  # its worker was collected while the program waited (greenlet raised GreenletExit there)
+        # torch's thread-wide settings as the engine had them when it last switched in: the
+        # program puts them back whenever it hands control back (torch_state.py)
+        self._engine_settings: torch_state.Settings | None = None
 
     def again(self, budget_s: float) -> None:
         """The same program over the same invokes one step on, within an epoch (the interleaver
@@ -252,6 +256,7 @@ class ProgramCall:
                 switch = _deep_switch  # its first switch sets where its stack starts
             value = self
         self._engine = greenlet.getcurrent()
+        self._engine_settings = torch_state.settings()
         started = time.monotonic()
         WATCHDOG.enter(self, started + self.budget_s - self.used_s)
         flight = self.flight
@@ -305,6 +310,7 @@ class ProgramCall:
         """Raise :class:`ProgramError` at the point the program waits at, so its frames unwind."""
         if self._greenlet is not None:  # started and not finished: waiting at a point
             self._engine = greenlet.getcurrent()  # where it switches back to: here, not the hub that ran it last
+            self._engine_settings = torch_state.settings()
             WATCHDOG.enter(self, time.monotonic())  # a program that swallows the stop is interrupted
             if self.flight is not None:
                 self.flight.enter()  # its except and finally blocks run now
@@ -371,11 +377,15 @@ class ProgramCall:
                     return handed[1]
         WATCHDOG.leave(self)
         self.waiting_for = point
+        aside = torch_state.set_aside(self._engine_settings)  # the engine runs with its own settings
         try:
             value = self._engine.switch()
         except greenlet.GreenletExit:  # its worker is being collected: dropped while it waited (see _worker)
             self._dropped = True
             raise
+        finally:
+            if aside is not None:  # the program's own again, for its code (and its with blocks' exits)
+                torch_state.put_back(aside, self._engine_settings)
         if isinstance(value, ProgramError):
             raise value
         return value
@@ -394,6 +404,7 @@ class ProgramCall:
                 self.error = error_record(exc, where=self.view.where())
         finally:
             WATCHDOG.leave(self)
+            torch_state.set_aside(self._engine_settings)  # what the program set ends with it
             self._finish()
 
 
@@ -566,6 +577,7 @@ def start_at_points(items: list[tuple[ProgramCall, Point, Any]]) -> None:
     the worker it ran in, and the rest go on in another."""
     starts: list = []
     hub = greenlet.getcurrent()
+    engine_settings = torch_state.settings()
     for item in items:
         call = item[0]
         call.unstarted = False
@@ -574,7 +586,7 @@ def start_at_points(items: list[tuple[ProgramCall, Point, Any]]) -> None:
         if call.used_s >= call.budget_s if call.local_limits else call.budget_s <= 0:
             call._time_out()
             continue
-        call._engine = hub
+        call._engine, call._engine_settings = hub, engine_settings
         starts.append(item)
     if not starts:
         return
