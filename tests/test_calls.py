@@ -329,7 +329,7 @@ def test_a_programs_torch_settings_are_set_aside_while_the_engine_runs_and_put_b
             self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    engine = torch_state.settings()
+    engine = torch_state.Settings._make(torch_state.settings())
     counting, seen = Counting(), []
 
     def program(m):

@@ -168,7 +168,7 @@ class ProgramCall:
         self._dropped = False  # its worker was collected while the program waited (greenlet raised GreenletExit there)
         # torch's thread-wide settings as the engine had them when it last switched in: the
         # program puts them back whenever it hands control back (torch_state.py)
-        self._engine_settings: torch_state.Settings | None = None
+        self._engine_settings: tuple | None = None  # a torch_state.Settings
 
     def again(self, budget_s: float) -> None:
         """The same program over the same invokes one step on, within an epoch (the interleaver
