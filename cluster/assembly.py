@@ -127,6 +127,7 @@ def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],
     results, contributions, first_error = [], [], None
     for index, (inv, done) in enumerate(zip(invokes, completions)):
         saves: dict[str, Any] = {}
+        printed: list[tuple[int, int, str]] = []  # (step, stage, text): each step's text in forward order
         for report in sorted(reports.get(index, []), key=lambda r: r.stage):
             twice = saves.keys() & report.saves.keys()
             if twice and first_error is None:  # their order across steps is lost between stages
@@ -136,9 +137,12 @@ def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],
                     "give the values saved on different stages different names", ""))
             saves.update(report.saves)
             contributions += [(index, name, how, value) for name, how, value in report.shared]
+            printed += [(step, report.stage, text) for step, text in report.printed]
             if report.error is not None and first_error is None:
                 first_error = (index, report.error)
-        results.append(InvokeResult(inv.prompt, list(done.token_ids), done.text, saves, done.logprobs))
+        printed.sort(key=lambda piece: piece[:2])  # (stable: a stage's pieces of a step keep their order)
+        results.append(InvokeResult(inv.prompt, list(done.token_ids), done.text, saves, done.logprobs,
+                                    "".join(text for _step, _stage, text in printed)))
     result = TraceResult(results, {})
     if first_error is not None:
         raise InterventionError(first_error[0], first_error[1].to_dict(), partial=result)

@@ -36,12 +36,14 @@ from interlace.cluster.engine import all_module_names, refuse_graph_settings, sh
 from interlace.core import settings as interlace_settings
 from interlace.core.trace import (
     Invoke,
+    InterventionError,
     InvokeResult,
     ProgramEndedEngine,
     TraceResult,
     WorkerDied,
     check_program,
     check_trace,
+    echo_printed,
     encode_payloads,
     new_trace_id,
 )
@@ -260,7 +262,12 @@ class Trace:
     def run(self) -> TraceResult:
         if not self.invokes:
             raise ValueError("the trace has no invokes; add one with tr.invoke(prompt, ...)")
-        self.result = self.target._run(self)
+        try:
+            self.result = self.target._run(self)
+        except InterventionError as exc:  # what the programs printed helps most here
+            echo_printed(exc.partial)
+            raise
+        echo_printed(self.result)
         return self.result
 
     @property

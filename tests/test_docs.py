@@ -50,7 +50,8 @@ def test_readme_quickstart_runs(llama):
 def test_guide_examples_run(llama):
     namespace, printed, traces = _run(ROOT / "docs" / "guide.md", llama)
     first, patching, sweep, shared = traces
-    assert printed.count("\n") == 5  # the first example's text, then the logit lens's 4 layers
+    assert printed.count("\n") == 7  # the first example's text, the debug program's 2 steps, the logit lens's 4 layers
+    assert namespace["debugged"].printed.count("resid norm") == 2
     assert first.result[1].saves["h"].shape == (3 + 7, 128)  # 3 prompt tokens, then 7 more steps of 8
     assert namespace["out"].saves.keys() == {f"layer{i}" for i in range(4)}
     assert patching.result[1].saves["logits"].shape == (1, llama.engine.llm_engine.model_config.get_vocab_size())

@@ -523,3 +523,36 @@ def test_module_lists_iterate_and_slice_as_torchs_do(llama, oracles):
     ref = oracles["tiny-llama"].run(ids)["resid"]
     torch.testing.assert_close(torch.stack([got.saves[f"layer{i}"] for i in range(4)]), torch.stack([r[-1] for r in ref]),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_what_a_program_prints_comes_back_with_its_invoke_once_and_in_order(llama, oracles, capsys):
+    """workers/printed.py: what a program's code writes to stdout and stderr comes back as
+    ``result.printed`` and is printed on the driver, in program order, once: once per TP group,
+    and once across pipeline stages (a later stage replays the code before its accesses without
+    printing). A batched program's text goes with its call's first invoke."""
+    import sys
+
+    oracle = oracles["tiny-llama"]
+    ids, last = oracle.ids(PROMPT), len(oracle.layers) - 1
+
+    def chatty(m):
+        print(f"{m.step} start")
+        rows = m.layers[0].resid.shape[0]
+        print(f"{m.step} rows {rows}", file=sys.stderr)
+        m.layers[last].resid  # (on the last stage under PP)
+        print(f"{m.step} end")
+
+    @interlace.batched
+    def together(m):
+        print(f"together {m.n}")
+        m.layers[last].resid
+
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+        tr.invoke(ids, program=chatty)
+        tr.invoke("Once upon a time", program=together)
+        tr.invoke("Hello there", program=together)
+        tr.invoke("Not a word")
+    want = "".join(f"{k} start\n{k} rows {len(ids) if k == 0 else 1}\n{k} end\n" for k in range(3))
+    assert tr.result[0].printed == want
+    assert [r.printed for r in tr.result.invokes[1:]] == ["together 2\n" * 3, "", ""]
+    assert want in capsys.readouterr().out

@@ -45,6 +45,7 @@ STEER = torch.linspace(-0.5, 0.5, 128)
 
 def keep(m):
     m.save("r1", m.layers[1].resid)
+    print(f"step {m.step}: r1 saved")  # comes back with the result (workers/printed.py)
 
 
 def _free_port() -> int:
@@ -99,6 +100,7 @@ def assert_same(got, want, atol=1e-4):
     for g, w in zip(got.invokes, want.invokes):
         assert g.token_ids == w.token_ids
         assert g.text == w.text
+        assert g.printed == w.printed
         assert sorted(g.saves) == sorted(w.saves)
         for name in w.saves:
             assert torch.allclose(g.saves[name].float(), w.saves[name].float(), atol=atol), name
@@ -126,6 +128,7 @@ def test_one_script_gives_the_same_results_on_a_model_a_cluster_and_the_endpoint
     from interlace.cluster.config import ClusterConfig
 
     want = script(llama)
+    assert want[0].printed == "".join(f"step {k}: r1 saved\n" for k in range(len(want[0].token_ids)))
     assert_same(script(coder), want)
     cluster = interlace.Cluster(ClusterConfig(model="tiny-llama", replicas=1, cpu_cores=[[1]]))  # joins this Ray
     try:

@@ -51,6 +51,7 @@ PROGRAMS = textwrap.dedent('''
         m.save("r2", m.layers[2].resid)
         m.share("total", m.layers[2].resid.sum(), merge="sum")
         m.share("last_mean", m.last(m.layers[3].resid)[0], merge="mean")
+        print(f"step {m.step}")  # kept in the index's printed column
 ''')
 
 
@@ -269,11 +270,13 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
     for i, want in zip(good, tr.result):
         assert sweep[i].error is None and sweep[i].prompt_token_ids == prompts[i]
         assert sweep[i].token_ids == want.token_ids
+        assert sweep[i].printed == want.printed == "step 0\nstep 1\n"
         assert_close(sweep[i].saves["r2"], want.saves["r2"])
         assert_close(plain[i]["r2"], want.saves["r2"])
     for i in set(range(200)) - set(good):
         assert "ValueError" in sweep[i].error and "eight-token prompt" in sweep[i].error
         assert sweep[i].saves == {}  # a failed prompt keeps no saves
+        assert sweep[i].printed is None
     errors = [sweep[200 + k].error for k in range(4)]
     assert errors[0].startswith("empty prompt")
     assert "outside the vocabulary" in errors[1] and "10000000" in errors[1]

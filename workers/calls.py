@@ -59,6 +59,7 @@ import greenlet
 import torch
 
 from interlace.workers import torch_state
+from interlace.workers.printed import Printed
 from interlace.workers.points import Point
 from interlace.workers.watchdog import Watchdog
 
@@ -169,6 +170,7 @@ class ProgramCall:
         # torch's thread-wide settings as the engine had them when it last switched in: the
         # program puts them back whenever it hands control back (torch_state.py)
         self._engine_settings: tuple | None = None  # a torch_state.Settings
+        self.printed: Printed | None = None  # what the program wrote to stdout or stderr this step (printed.py)
 
     def again(self, budget_s: float) -> None:
         """The same program over the same invokes one step on, within an epoch (the interleaver
@@ -187,6 +189,7 @@ class ProgramCall:
         self.writes = 0
         self._greenlet = self._engine = None
         self._dropped = False
+        self.printed = None
         self.last_first, self.first_point = self.first_point, None
         self.unstarted, self._handed = False, None
         self.view._bind(self)
@@ -389,6 +392,12 @@ class ProgramCall:
         if isinstance(value, ProgramError):
             raise value
         return value
+
+    def print(self, text: str) -> None:
+        """What the program wrote to ``sys.stdout`` or ``sys.stderr`` (printed.ProgramStream)."""
+        if self.printed is None:
+            self.printed = Printed()
+        self.printed.add(0, text)
 
     def _run(self) -> None:
         try:

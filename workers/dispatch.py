@@ -323,6 +323,8 @@ class PointDispatcher:
             if call.error is not None:
                 for inv in ctx.invokes:
                     inv.fail(call.error)
+            if call.printed is not None:  # a batched program's, once: with its first invoke
+                ctx.invokes[0].keep_printed(int(ctx.steps[0]), call.printed)
         # under TP, the time every rank counts
         used = np.fromiter((call.used_s if call.local_limits else call.agreed_s for call, _ctx in calls), float, len(calls))
         if all(len(ctx.invokes) == 1 for _call, ctx in calls):

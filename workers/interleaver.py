@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from interlace.core import settings
-from interlace.workers.calls import ProgramCall, error_record, run_shallow
+from interlace.workers.calls import WATCHDOG, ProgramCall, error_record, run_shallow
 from interlace.workers.dispatch import PointDispatcher
 from interlace.workers.flight import entry_for
 from interlace.workers.hooks import HookSet, hook_of
@@ -41,6 +41,7 @@ from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpOrder, applied_bit, selected_nothing
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ModuleTree, Rows
+from interlace.workers.printed import capture as capture_printed
 from interlace.workers.program_services import ProgramServices
 from interlace.workers.prologue import prologue_of
 from interlace.workers.reporter import Reporter
@@ -356,6 +357,7 @@ class Interleaver(ProgramServices):
         else:
             self._build_calls(groups, carry_in, memo)
         if self.step.calls:
+            capture_printed(WATCHDOG)
             run_shallow(self._start_calls, self.step)
 
     def _start_calls(self, step: Step) -> None:

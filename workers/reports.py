@@ -102,7 +102,8 @@ def write_now(states: list[InvokeState], stage: int) -> None:
 
 def _report_of(state: InvokeState, stage: int) -> dict:
     return {"trace": state.trace, "invoke": state.invoke, "stage": stage, "saves": {},
-            "shared": state.shared, "error": state.error}
+            "shared": state.shared, "error": state.error,
+            "printed": state.printed.report() if state.printed is not None else []}
 
 
 def _reserve(sink: str, trace: str, stage: int, nbytes: int) -> None:

@@ -22,6 +22,7 @@ from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import StepOp
 from interlace.workers.pipeline import Carried
 from interlace.workers.points import ModuleTree, Point, Rows, device_index
+from interlace.workers.printed import Printed
 from interlace.workers.slots import SlotTable
 from interlace.workers.write_log import WriteLog
 
@@ -58,6 +59,7 @@ class InvokeState:
     writes: WriteLog | None = None  # its program's writes, replayed if vLLM recomputes it (write_log.py)
     unlogged: str = "INTERLACE_REPLAY_LOG_MIB is 0"  # why a program keeps no write log (with writes None)
     flight: Any = None  # its program's flight recorder entry (flight.py), None if unrecorded
+    printed: Printed | None = None  # what its program printed, by step
 
     # Invokes failed so far, in this process: a step tells whether any failed since the last one
     # by comparing one number, not by looking at every invoke of the batch.
@@ -84,6 +86,14 @@ class InvokeState:
                 del self.saves[name], self.save_steps[name]
         self.shared = [entry for entry, step in zip(self.shared, self.shared_steps) if step <= last]
         self.shared_steps = self.shared_steps[: len(self.shared)]
+        if self.printed is not None:
+            self.printed.keep_steps_to(last)
+
+    def keep_printed(self, step: int, call_printed: Printed) -> None:
+        """A call's printed text (printed.Printed) of step ``step``, kept with this invoke."""
+        if self.printed is None:
+            self.printed = Printed()
+        self.printed.add(step, "".join(text for _step, text in call_printed.pieces), call_printed.dropped)
 
 
 @dataclass

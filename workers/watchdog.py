@@ -58,6 +58,10 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="interlace-watchdog")
                 self._thread.start()
 
+    def running(self) -> "ProgramCall | None":
+        """The call whose program's code this thread runs now (None: interlace's or vLLM's code)."""
+        return self._running.get(threading.get_ident())
+
     def leave(self, call: "ProgramCall") -> None:
         thread = threading.get_ident()
         with self._lock:

@@ -114,6 +114,7 @@ class InvokeResponse(BaseModel):
     text: str
     logprobs: list[float] | None = None
     saves: list[str] = Field(description="The invoke's save names; tensors under invokes.<i>.<name>.")
+    printed: str = Field("", description="What the invoke's program printed (stdout and stderr), step by step.")
 
 
 class TraceResponse(BaseModel):
@@ -178,7 +179,8 @@ def encode_result(trace_id: str, result, allow_objects: bool,
             raise ValueError(f"{key} is a {type(value).__name__}, which cannot be sent as JSON")
     response = TraceResponse(
         id=trace_id,
-        invokes=[InvokeResponse(token_ids=inv.token_ids, text=inv.text, logprobs=inv.logprobs, saves=sorted(inv.saves))
+        invokes=[InvokeResponse(token_ids=inv.token_ids, text=inv.text, logprobs=inv.logprobs, saves=sorted(inv.saves),
+                                printed=inv.printed)
                  for inv in result.invokes],
         shared=sorted(result.shared), values=values,
         objects=base64.b64encode(cloudpickle.dumps(objects)).decode() if objects else None,
@@ -223,7 +225,8 @@ def decode_result(response: TraceResponse, tensors: dict | None = None):
         import cloudpickle
 
         flat.update(cloudpickle.loads(base64.b64decode(response.objects)))
-    invokes = [InvokeResult(None, inv.token_ids, inv.text, {n: flat[f"invokes.{i}.{n}"] for n in inv.saves}, inv.logprobs)
+    invokes = [InvokeResult(None, inv.token_ids, inv.text, {n: flat[f"invokes.{i}.{n}"] for n in inv.saves}, inv.logprobs,
+                            inv.printed)
                for i, inv in enumerate(response.invokes)]
     return TraceResult(invokes, {n: flat[f"shared.{n}"] for n in response.shared})
 

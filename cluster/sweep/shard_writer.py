@@ -43,7 +43,7 @@ from interlace.workers.points import ModuleTree
 SHARED_PREFIX = "__shared__/"
 SHARED_META = "interlace.shared"
 INDEX_COLUMNS = ("prompt_id", "source_row", "shard", "prompt", "prompt_token_ids", "token_ids", "text",
-                 "prompt_tokens", "error")
+                 "prompt_tokens", "error", "printed")
 
 
 def shard_stem(shard: int) -> str:
@@ -86,6 +86,7 @@ class Outcome:
     shared: list[tuple] = field(default_factory=list)
     error: str | None = None
     prompt_tokens: int | None = None
+    printed: list[tuple[int, int, str]] = field(default_factory=list)  # (step, stage, text) its program printed
 
 
 class ShardRunner:
@@ -203,6 +204,7 @@ class ShardRunner:
                                  "values saved on different stages different names")
             outcome.saves.update(report.saves)
             outcome.shared += report.shared
+            outcome.printed += [(step, report.stage, text) for step, text in report.printed]
             if report.error is not None and outcome.error is None:
                 e = report.error
                 outcome.error = f"{e.type} at {e.where}: {e.message}\n{e.traceback}".rstrip()
@@ -326,6 +328,12 @@ def _as_rows(saves: dict[str, Any], parts: dict[str, list]):
     return values, None
 
 
+def _printed(outcome: Outcome) -> str | None:
+    """What the prompt's program printed, in program order (as cluster.assembly joins it)."""
+    pieces = sorted(outcome.printed, key=lambda piece: piece[:2])
+    return "".join(text for _step, _stage, text in pieces) or None
+
+
 def _index_columns(shard: int, rows: list[PromptRow], outcomes: dict[int, Outcome], spans) -> dict:
     import pyarrow as pa
 
@@ -340,6 +348,7 @@ def _index_columns(shard: int, rows: list[PromptRow], outcomes: dict[int, Outcom
         "text": pa.array([outcomes[r.prompt_id].text for r in rows], pa.string()),
         "prompt_tokens": pa.array([outcomes[r.prompt_id].prompt_tokens for r in rows], pa.int64()),
         "error": pa.array([outcomes[r.prompt_id].error for r in rows], pa.string()),
+        "printed": pa.array([_printed(outcomes[r.prompt_id]) for r in rows], pa.string()),
     }
     for name in sorted(spans):
         got = spans[name]

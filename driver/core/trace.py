@@ -98,6 +98,7 @@ class InvokeResult:
     text: str
     saves: dict[str, Any]
     logprobs: list[float] | None = None  # log-probability of each generated token
+    printed: str = ""  # what its program printed (stdout and stderr), step by step; the driver prints it too
 
     def __post_init__(self):
         self.saves = Saves(self.saves)
@@ -126,6 +127,17 @@ class TraceResult:
 
     def __len__(self) -> int:
         return len(self.invokes)
+
+
+def echo_printed(result: "TraceResult | None") -> None:
+    """Print what the trace's programs printed, invoke by invoke, here on the driver: they ran in
+    an engine's process, maybe on another machine (workers/printed.py keeps their output)."""
+    if result is None:
+        return
+    for invoke in result.invokes:
+        if invoke.printed:
+            sys.stdout.write(invoke.printed)
+    sys.stdout.flush()
 
 
 class InterventionError(RuntimeError):

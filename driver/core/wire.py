@@ -68,6 +68,7 @@ class Report:
     saves: Any  # {name: value}; on a cluster, a SavesRef until the driver fetches it
     shared: list[Shared] = field(default_factory=list)
     error: ErrorRecord | None = None
+    printed: list[tuple[int, str]] = field(default_factory=list)  # (step, text) its program printed on this stage
 
     @property
     def key(self) -> tuple[int, int]:
@@ -78,7 +79,8 @@ class Report:
         """A worker's report dict (workers/reports.py ``_report_of``) as a typed report;
         ``trace`` renames it (a cluster shard's workers know it by the shard's own id)."""
         return cls(trace or report["trace"], report["invoke"], report["stage"], attempt, report["saves"],
-                   [tuple(s) for s in report["shared"]], ErrorRecord.from_worker(report["error"]))
+                   [tuple(s) for s in report["shared"]], ErrorRecord.from_worker(report["error"]),
+                   [tuple(p) for p in report.get("printed", ())])
 
 
 @dataclass(frozen=True)
