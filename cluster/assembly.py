@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from interlace.cluster.merge import MergeError, merge_shared
 from interlace.core.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
-from interlace.core.wire import Completion, ErrorRecord, InvokePayload, Report
+from interlace.core.wire import Completion, ErrorRecord, InvokePayload, Report, printed_text
 from interlace.workers.scheduler import GANG_KEY, PROGRAM_KEY, WHOLE_PROMPT_KEY
 from interlace.workers.sink import INLINE_BYTES, park, read_new_reports, writing_reports
 
@@ -127,7 +127,6 @@ def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],
     results, contributions, first_error = [], [], None
     for index, (inv, done) in enumerate(zip(invokes, completions)):
         saves: dict[str, Any] = {}
-        printed: list[tuple[int, int, str]] = []  # (step, stage, text): each step's text in forward order
         for report in sorted(reports.get(index, []), key=lambda r: r.stage):
             twice = saves.keys() & report.saves.keys()
             if twice and first_error is None:  # their order across steps is lost between stages
@@ -137,12 +136,10 @@ def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],
                     "give the values saved on different stages different names", ""))
             saves.update(report.saves)
             contributions += [(index, name, how, value) for name, how, value in report.shared]
-            printed += [(step, report.stage, text) for step, text in report.printed]
             if report.error is not None and first_error is None:
                 first_error = (index, report.error)
-        printed.sort(key=lambda piece: piece[:2])  # (stable: a stage's pieces of a step keep their order)
         results.append(InvokeResult(inv.prompt, list(done.token_ids), done.text, saves, done.logprobs,
-                                    "".join(text for _step, _stage, text in printed)))
+                                    printed_text(reports.get(index, []))))
     result = TraceResult(results, {})
     if first_error is not None:
         raise InterventionError(first_error[0], first_error[1].to_dict(), partial=result)

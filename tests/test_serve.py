@@ -252,6 +252,7 @@ def test_streaming_delivers_tokens_before_the_trace_completes(coder, llama):
     streamed = {e["invoke"]: e for e in events if e["event"] == "invoke"}
     for i in (0, 1):
         assert streamed[i]["token_ids"] == want.result[i].token_ids
+        assert streamed[i]["printed"] == want.result[i].printed  # "" for the ops invoke
         for name, value in want.result[i].saves.items():
             assert torch.allclose(streamed[i]["saves"][name], value, atol=1e-4)
     tokens = [t for e in events if e["event"] == "tokens" and e["invoke"] == 0 for t in e["token_ids"]]

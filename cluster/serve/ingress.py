@@ -49,7 +49,7 @@ from interlace.cluster.serve.http_api import (
 from interlace.cluster.serve.state import SharedState
 from interlace.cluster.shards import plan_shards
 from interlace.core.trace import InterventionError, Invoke, check_trace, encode_payloads
-from interlace.core.wire import InvokePayload, ShardTask
+from interlace.core.wire import InvokePayload, ShardTask, printed_text
 from interlace.workers.points import ModuleTree
 
 api = FastAPI(title="interlace", description="Intervention programs inside vLLM, over HTTP.", version="1")
@@ -520,7 +520,7 @@ def _invoke_event(index: int, done, reports) -> dict:
     error = next((r.error.to_dict() for r in reports if r.error is not None), None)
     tensors = {n: v.detach().cpu().contiguous().clone() for n, v in saves.items() if isinstance(v, torch.Tensor)}
     return {"invoke": index, "token_ids": done.token_ids, "text": done.text, "saves": sorted(tensors),
-            "tensors": tensors_b64(tensors), "error": error}
+            "tensors": tensors_b64(tensors), "printed": printed_text(reports), "error": error}
 
 
 def _sse(event: str, data: dict) -> bytes:

@@ -37,7 +37,7 @@ from interlace.cluster.replica import Replica
 from interlace.cluster.sweep.store import SweepStore, attempt_stem
 from interlace.cluster.sweep.tensor_file import joined_shape
 from interlace.core.trace import Invoke, check_ops, encode_payloads
-from interlace.core.wire import ShardTask
+from interlace.core.wire import ShardTask, printed_text
 from interlace.workers.points import ModuleTree
 
 SHARED_PREFIX = "__shared__/"
@@ -86,7 +86,7 @@ class Outcome:
     shared: list[tuple] = field(default_factory=list)
     error: str | None = None
     prompt_tokens: int | None = None
-    printed: list[tuple[int, int, str]] = field(default_factory=list)  # (step, stage, text) its program printed
+    printed: str | None = None  # what its program printed
 
 
 class ShardRunner:
@@ -196,7 +196,9 @@ class ShardRunner:
         for row, done in zip(rows, completions):
             outcome = outcomes[row.prompt_id]
             outcome.token_ids, outcome.text = list(done.token_ids), done.text
+        by_invoke: dict[int, list] = {}
         for report in sorted(reports, key=lambda r: (r.invoke, r.stage)):
+            by_invoke.setdefault(report.invoke, []).append(report)
             outcome = outcomes[rows[report.invoke].prompt_id]
             twice = outcome.saves.keys() & report.saves.keys()
             if twice and outcome.error is None:
@@ -204,10 +206,11 @@ class ShardRunner:
                                  "values saved on different stages different names")
             outcome.saves.update(report.saves)
             outcome.shared += report.shared
-            outcome.printed += [(step, report.stage, text) for step, text in report.printed]
             if report.error is not None and outcome.error is None:
                 e = report.error
                 outcome.error = f"{e.type} at {e.where}: {e.message}\n{e.traceback}".rstrip()
+        for invoke, its_reports in by_invoke.items():
+            outcomes[rows[invoke].prompt_id].printed = printed_text(its_reports) or None
 
 
 # The engine's processes do not watch the process that started them: when this actor is killed
@@ -328,12 +331,6 @@ def _as_rows(saves: dict[str, Any], parts: dict[str, list]):
     return values, None
 
 
-def _printed(outcome: Outcome) -> str | None:
-    """What the prompt's program printed, in program order (as cluster.assembly joins it)."""
-    pieces = sorted(outcome.printed, key=lambda piece: piece[:2])
-    return "".join(text for _step, _stage, text in pieces) or None
-
-
 def _index_columns(shard: int, rows: list[PromptRow], outcomes: dict[int, Outcome], spans) -> dict:
     import pyarrow as pa
 
@@ -348,7 +345,7 @@ def _index_columns(shard: int, rows: list[PromptRow], outcomes: dict[int, Outcom
         "text": pa.array([outcomes[r.prompt_id].text for r in rows], pa.string()),
         "prompt_tokens": pa.array([outcomes[r.prompt_id].prompt_tokens for r in rows], pa.int64()),
         "error": pa.array([outcomes[r.prompt_id].error for r in rows], pa.string()),
-        "printed": pa.array([_printed(outcomes[r.prompt_id]) for r in rows], pa.string()),
+        "printed": pa.array([outcomes[r.prompt_id].printed for r in rows], pa.string()),
     }
     for name in sorted(spans):
         got = spans[name]

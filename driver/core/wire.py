@@ -11,7 +11,7 @@ local engine, the Ray cluster and (later) an HTTP front end all read the same ty
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,15 @@ class Report:
         return cls(trace or report["trace"], report["invoke"], report["stage"], attempt, report["saves"],
                    [tuple(s) for s in report["shared"]], ErrorRecord.from_worker(report["error"]),
                    [tuple(p) for p in report.get("printed", ())])
+
+
+def printed_text(reports: Iterable["Report"]) -> str:
+    """What an invoke's program printed, from its reports (one per pipeline stage): step by step,
+    each step's text in stage order, which is the program's own order (a stage's pieces of one
+    step keep theirs: the sort is stable)."""
+    pieces = sorted(((step, report.stage, text) for report in reports for step, text in report.printed),
+                    key=lambda piece: piece[:2])
+    return "".join(text for _step, _stage, text in pieces)
 
 
 @dataclass(frozen=True)
