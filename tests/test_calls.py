@@ -312,13 +312,16 @@ def test_a_program_started_with_others_that_runs_past_its_budget_fails_alone(fas
 
 
 def test_a_programs_torch_settings_are_set_aside_while_the_engine_runs_and_put_back_for_it():
-    """torch_state.py: what a program sets of torch's per-thread state (modes entered, default
-    dtype and device, grad mode, thread count) holds in its own code across its waits, is not
-    there while the engine (this test) runs, and ends with it; a program stopped inside its
-    ``with`` blocks unwinds them cleanly."""
+    """program_settings.py: what a program sets of torch's per-thread state (modes entered, default
+    dtype and device, grad mode, thread count) and of sys.stdout holds in its own code across its
+    waits, is not there while the engine (this test) runs, and ends with it; a program stopped
+    inside its ``with`` blocks unwinds them cleanly."""
+    import contextlib
+    import io
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from interlace.workers import torch_state
+    from interlace.workers import program_settings
 
     class Counting(TorchDispatchMode):
         def __init__(self):
@@ -329,29 +332,33 @@ def test_a_programs_torch_settings_are_set_aside_while_the_engine_runs_and_put_b
             self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    engine = torch_state.Settings._make(torch_state.settings())
-    counting, seen = Counting(), []
+    engine = program_settings.Settings._make(program_settings.settings())
+    counting, seen, buffer = Counting(), [], io.StringIO()
 
     def program(m):
         torch.set_default_dtype(torch.float64)
         torch.set_num_threads(1)
         torch.set_grad_enabled(not engine.grad)
-        with torch.device("meta"), counting:
+        with torch.device("meta"), counting, contextlib.redirect_stdout(buffer):
             m.call.wait_at(Point("model.layers.0", "resid"))
             seen.append((torch.zeros(1).device.type, torch.get_default_dtype(), torch.get_num_threads(),
                          torch.is_grad_enabled()))
+            print("the program's own")
             m.call.wait_at(Point("model.layers.1", "resid"))
         torch.set_default_device("meta")  # left set: it ends with the program
+        sys.stderr = io.StringIO()  # so is this
 
     for stop in (False, True):
         view = _StageView()
         call = view.call = ProgramCall(program, view, budget_s=5.0, limit_s=5.0)
         call.start()
-        assert torch_state.settings() == engine and torch.zeros(1).device.type == "cpu"
+        assert program_settings.settings() == engine and torch.zeros(1).device.type == "cpu"
         torch.ones(2) + 1  # the engine's own ops: not the program's mode's
+        print("the engine's own")  # not into the program's buffer
         call.resume("first")
-        assert seen[-1] == ("meta", torch.float64, 1, not engine.grad) and torch_state.settings() == engine
+        assert seen[-1] == ("meta", torch.float64, 1, not engine.grad) and program_settings.settings() == engine
         call.cancel("stopped") if stop else call.resume("second")
         assert call.done and (call.error is not None) == stop
-        assert torch_state.settings() == engine and torch.zeros(1).device.type == "cpu"
+        assert program_settings.settings() == engine and torch.zeros(1).device.type == "cpu"
     assert counting.ops == 2  # the program's torch.zeros, in each run: none of the engine's
+    assert buffer.getvalue() == "the program's own\n" * 2

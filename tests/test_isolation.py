@@ -9,7 +9,9 @@ tests/test_parallel.py runs the write cases again at TP=2, PP=2 and TP=2 x PP=2.
 
 from __future__ import annotations
 
+import io
 import itertools
+import sys
 import time
 
 import pytest
@@ -127,6 +129,7 @@ def _own_settings(m):
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)  # (vLLM's CPU worker ignores this; a GPU worker's is put back)
     torch.set_default_device("meta")  # left set: it ends with this program
+    sys.stdout = io.StringIO()  # so is this: what the neighbour prints meanwhile is still the neighbour's
     with torch.enable_grad(), torch.device("meta"):
         m.layers[0].resid += 0
         m.layers[2].resid += 0
@@ -137,8 +140,8 @@ def _own_settings(m):
 
 def test_a_programs_torch_settings_are_its_own(llama, oracles):
     """Settings torch keeps per thread (grad mode, default dtype and device, ``with
-    torch.device(...)``) that a program sets stay its own across its reads: the engine's forward
-    pass and the other invokes' programs run with the engine's. A meta default device across a
+    torch.device(...)``) and ``sys.stdout`` that a program sets stay its own across its reads: the
+    engine's forward pass and the other invokes' programs run with the engine's. A meta default device across a
     read used to end the engine's worker, failing every trace in the batch."""
     oracle = oracles["tiny-llama"]
     hostile, neighbour = _prompt(oracle, "Settings of my own"), _prompt(oracle, "A neighbour steers")
@@ -148,6 +151,7 @@ def test_a_programs_torch_settings_are_its_own(llama, oracles):
         m.layers[1].resid += vector
         m.save("seen", torch.tensor([torch.zeros(1).is_meta, torch.get_default_dtype() == torch.float32,
                                      torch.is_grad_enabled()]))
+        print("neighbour", m.step)
 
     with llama.trace(max_tokens=4, ignore_eos=True) as tr:
         tr.invoke(hostile, program=_own_settings)
@@ -156,6 +160,7 @@ def test_a_programs_torch_settings_are_its_own(llama, oracles):
     assert tr.result[0].token_ids == oracle.greedy(hostile, 4)
     assert tr.result[1].saves["seen"].tolist() == [False, True, False] * 4, "a neighbour ran with another's settings"
     assert tr.result[1].token_ids == oracle.greedy(neighbour, 4, hooks={oracle.layers[1]: lambda out: out + vector})
+    assert tr.result[1].printed == "".join(f"neighbour {k}\n" for k in range(4))
     _next_trace_is_exact(llama, oracle)
 
 

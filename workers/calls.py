@@ -58,7 +58,7 @@ from typing import Any, Callable
 import greenlet
 import torch
 
-from interlace.workers import torch_state
+from interlace.workers import program_settings
 from interlace.workers.printed import Printed
 from interlace.workers.points import Point
 from interlace.workers.watchdog import Watchdog
@@ -168,8 +168,8 @@ class ProgramCall:
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
         self._dropped = False  # its worker was collected while the program waited (greenlet raised GreenletExit there)
         # torch's thread-wide settings as the engine had them when it last switched in: the
-        # program puts them back whenever it hands control back (torch_state.py)
-        self._engine_settings: tuple | None = None  # a torch_state.Settings
+        # program puts them back whenever it hands control back (program_settings.py)
+        self._engine_settings: tuple | None = None  # a program_settings.Settings
         self.printed: Printed | None = None  # what the program wrote to stdout or stderr this step (printed.py)
 
     def again(self, budget_s: float) -> None:
@@ -259,7 +259,7 @@ class ProgramCall:
                 switch = _deep_switch  # its first switch sets where its stack starts
             value = self
         self._engine = greenlet.getcurrent()
-        self._engine_settings = torch_state.settings()
+        self._engine_settings = program_settings.settings()
         started = time.monotonic()
         WATCHDOG.enter(self, started + self.budget_s - self.used_s)
         flight = self.flight
@@ -313,7 +313,7 @@ class ProgramCall:
         """Raise :class:`ProgramError` at the point the program waits at, so its frames unwind."""
         if self._greenlet is not None:  # started and not finished: waiting at a point
             self._engine = greenlet.getcurrent()  # where it switches back to: here, not the hub that ran it last
-            self._engine_settings = torch_state.settings()
+            self._engine_settings = program_settings.settings()
             WATCHDOG.enter(self, time.monotonic())  # a program that swallows the stop is interrupted
             if self.flight is not None:
                 self.flight.enter()  # its except and finally blocks run now
@@ -380,7 +380,7 @@ class ProgramCall:
                     return handed[1]
         WATCHDOG.leave(self)
         self.waiting_for = point
-        aside = torch_state.set_aside(self._engine_settings)  # the engine runs with its own settings
+        aside = program_settings.set_aside(self._engine_settings)  # the engine runs with its own settings
         try:
             value = self._engine.switch()
         except greenlet.GreenletExit:  # its worker is being collected: dropped while it waited (see _worker)
@@ -388,7 +388,7 @@ class ProgramCall:
             raise
         finally:
             if aside is not None:  # the program's own again, for its code (and its with blocks' exits)
-                torch_state.put_back(aside, self._engine_settings)
+                program_settings.put_back(aside, self._engine_settings)
         if isinstance(value, ProgramError):
             raise value
         return value
@@ -413,7 +413,7 @@ class ProgramCall:
                 self.error = error_record(exc, where=self.view.where())
         finally:
             WATCHDOG.leave(self)
-            torch_state.set_aside(self._engine_settings)  # what the program set ends with it
+            program_settings.set_aside(self._engine_settings)  # what the program set ends with it
             self._finish()
 
 
@@ -586,7 +586,7 @@ def start_at_points(items: list[tuple[ProgramCall, Point, Any]]) -> None:
     the worker it ran in, and the rest go on in another."""
     starts: list = []
     hub = greenlet.getcurrent()
-    engine_settings = torch_state.settings()
+    engine_settings = program_settings.settings()
     for item in items:
         call = item[0]
         call.unstarted = False
