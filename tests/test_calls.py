@@ -313,7 +313,7 @@ def test_a_program_started_with_others_that_runs_past_its_budget_fails_alone(fas
 
 def test_a_programs_torch_settings_are_set_aside_while_the_engine_runs_and_put_back_for_it():
     """program_settings.py: what a program sets of torch's per-thread state (modes entered, default
-    dtype and device, grad mode, thread count) and of sys.stdout holds in its own code across its
+    dtype and device, grad mode, thread count) and sys.stdout holds in its own code across its
     waits, is not there while the engine (this test) runs, and ends with it; a program stopped
     inside its ``with`` blocks unwinds them cleanly."""
     import contextlib

@@ -190,11 +190,19 @@ def test_wrong_module_names(llama, oracles):
     _still_serves(llama, oracles)
 
 
-def test_nnsights_save_and_gradients_fail_saying_what_to_do_instead(llama):
+def test_nnsights_save_gradients_and_breakpoints_fail_saying_what_to_do_instead(llama):
     with pytest.raises(interlace.InterventionError, match=r"no attribute 'save'; .* m.save\(name, value\)"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].resid.save())
     with pytest.raises(interlace.InterventionError, match=r"does not require grad.*; the model runs without gradients"):
         llama.generate(PROMPT, program=lambda m: m.logits.sum().backward())
+
+    def debugged(m):
+        h = m.layers[1].resid
+        breakpoint()
+        m.save("h", h)
+
+    with pytest.raises(interlace.InterventionError, match=r"BdbQuit: breakpoint\(\) and pdb need a terminal.*print instead"):
+        llama.generate(PROMPT, program=debugged)
 
 
 def test_malformed_requests_are_refused_on_the_driver(llama):
