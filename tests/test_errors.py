@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -201,8 +202,15 @@ def test_nnsights_save_gradients_and_breakpoints_fail_saying_what_to_do_instead(
         breakpoint()
         m.save("h", h)
 
-    with pytest.raises(interlace.InterventionError, match=r"BdbQuit: breakpoint\(\) and pdb need a terminal.*print instead"):
-        llama.generate(PROMPT, program=debugged)
+    def profiled(m):
+        sys.setprofile(lambda *_: None)
+        m.save("h", m.layers[1].resid)
+
+    for program in (debugged, profiled):  # (one left installed slowed every later step, or hung the engine)
+        with pytest.raises(interlace.InterventionError, match=r"sys.setprofile and sys.settrace \(profilers, tracers, "
+                                                              r"pdb and breakpoint\(\)\) cannot run.*print the figures"):
+            llama.generate(PROMPT, program=program)
+    assert llama.generate(PROMPT, program=lambda m: m.save("h", m.layers[1].resid)).saves["h"].shape[0] > 0
 
 
 def test_malformed_requests_are_refused_on_the_driver(llama):

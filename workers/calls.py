@@ -47,7 +47,6 @@ earlier stage's accesses; each replayed access is checked against the one logged
 
 from __future__ import annotations
 
-import bdb
 import functools
 import inspect
 import sys
@@ -100,9 +99,6 @@ _HINTS = (
      "values in a program are plain tensors: save one with m.save(name, value) (NNsight's value.save())"),
     (RuntimeError, "does not require grad",
      "the model runs without gradients (vLLM's inference kernels have no backward; docs/guide.md, Limits today)"),
-    (bdb.BdbQuit, "",  # (pdb reads the engine's stdin, which is empty, and quits)
-     "breakpoint() and pdb need a terminal, and a program runs inside the engine: print instead (what a "
-     "program prints comes back as result.printed)"),
 )
 
 
@@ -111,7 +107,7 @@ def error_record(exc: BaseException, where: str) -> dict:
     message = str(exc)
     for kind, says, hint in _HINTS:
         if isinstance(exc, kind) and says in message:
-            message = f"{message}; {hint}" if message else hint
+            message = f"{message}; {hint}"
     return {
         "type": type(exc).__name__,
         "message": message,

@@ -42,6 +42,7 @@ from interlace.workers.ops import OpOrder, applied_bit, selected_nothing
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ModuleTree, Rows
 from interlace.workers.printed import capture as capture_printed
+from interlace.workers.program_settings import refuse_profilers
 from interlace.workers.program_services import ProgramServices
 from interlace.workers.prologue import prologue_of
 from interlace.workers.reporter import Reporter
@@ -358,6 +359,7 @@ class Interleaver(ProgramServices):
             self._build_calls(groups, carry_in, memo)
         if self.step.calls:
             capture_printed(WATCHDOG)
+            refuse_profilers(WATCHDOG)
             run_shallow(self._start_calls, self.step)
 
     def _start_calls(self, step: Step) -> None:

@@ -102,3 +102,36 @@ def _put(wanted: Settings, now: Settings) -> None:
     if wanted.threads != now.threads:
         torch.set_num_threads(wanted.threads)
     sys.stdout, sys.stderr = wanted.stdout, wanted.stderr
+
+
+# --- what a program may not set ------------------------------------------------------------------
+#
+# A profile or trace function is the thread's, like the settings above, but one cannot be set
+# aside and put back: one a program left installed slowed every later step of the engine, everyone's
+# (0.145 s against 0.08 a trace, 2-core CPU), and one installed in a worker greenlet made in the
+# thread's hub after a program there was stopped spun the thread inside the program's next call,
+# then again once the watchdog had let go of it: a hung engine (CPython 3.11, greenlet 3.5; see
+# python-greenlet/greenlet#256 for profilers and switches at odds). So programs may not install
+# one; interlace's own (bench/step_probe.py's cProfile) is installed outside programs.
+
+_REFUSED = ("sys.setprofile and sys.settrace (profilers, tracers, pdb and breakpoint()) cannot run inside "
+            "the engine, which runs many users' programs on one thread; time parts of a program with "
+            "time.perf_counter() and print the figures (what a program prints comes back as result.printed)")
+
+
+def refuse_profilers(watchdog: Any) -> None:
+    """Make ``sys.setprofile`` and ``sys.settrace`` raise when a program's code calls them
+    (``watchdog``: calls.WATCHDOG, which knows whose code runs); once per process."""
+    if getattr(sys.setprofile, "__interlace_guard__", False):
+        return
+
+    def guard(original):
+        def guarded(function):
+            if function is not None and watchdog.running() is not None:
+                raise RuntimeError(_REFUSED)
+            return original(function)
+
+        guarded.__interlace_guard__ = True
+        return guarded
+
+    sys.setprofile, sys.settrace = guard(sys.setprofile), guard(sys.settrace)
