@@ -340,3 +340,20 @@ def test_m_used_from_another_thread_raises_there_and_the_program_goes_on(llama, 
     want = llama.generate(ids, program=lambda m: m.save("r2", m.layers[2].resid), max_tokens=3, ignore_eos=True)
     assert got.token_ids == want.token_ids and torch.equal(got.saves["r2"], want.saves["r2"])
     _still_serves(llama, oracles)
+
+
+def test_a_program_that_prints_without_end_keeps_64_kib_and_says_how_much_more(llama):
+    """workers/printed.py: an invoke keeps printed.LIMIT characters of its program's output; the
+    rest is counted in a last line, and the invoke succeeds."""
+    from interlace.workers.printed import LIMIT
+
+    def loud(m):
+        m.save("h", m.layers[1].resid)
+        for _ in range(20_000):
+            print("x" * 9)  # 10 characters a line, 200,000 a step
+
+    out = llama.generate(PROMPT, program=loud, max_tokens=2)
+    kept, _, note = out.printed.rpartition("\n[interlace: ")
+    assert len(kept) == LIMIT and set(kept) <= {"x", "\n"}
+    assert note.startswith(f"{2 * 200_000 - LIMIT} more characters printed")
+    assert out.saves["h"].shape[0] > 0
