@@ -167,8 +167,8 @@ class ProgramCall:
         self._greenlet: greenlet.greenlet | None = None  # the worker running the program, from start to its end
         self._engine: greenlet.greenlet | None = None  # who switched in last: where accesses switch back to
         self._dropped = False  # its worker was collected while the program waited (greenlet raised GreenletExit there)
-        # torch's thread-wide settings as the engine had them when it last switched in: the
-        # program puts them back whenever it hands control back (program_settings.py)
+        # the settings a program may change for itself (torch's, sys.stdout), as the engine had
+        # them when it last switched in: the program puts them back whenever it hands control back
         self._engine_settings: tuple | None = None  # a program_settings.Settings
         self.printed: Printed | None = None  # what the program wrote to stdout or stderr this step (printed.py)
 

@@ -85,6 +85,7 @@ class Interleaver(ProgramServices):
         self.ledger = SaveLedger()
         self.device = next(model.parameters()).device
         self.reporter = Reporter(self.device)
+        refuse_profilers(WATCHDOG)  # once per process (program_settings.py)
         self.slots = SlotTable()
         self.graph_steps: dict[str, int] | None = None  # a compiled engine's steps by kind (graphs.py)
         self.taps = getattr(model, "_interlace_taps", None)  # graph taps built in at load (taps.py)
@@ -359,7 +360,6 @@ class Interleaver(ProgramServices):
             self._build_calls(groups, carry_in, memo)
         if self.step.calls:
             capture_printed(WATCHDOG)
-            refuse_profilers(WATCHDOG)
             run_shallow(self._start_calls, self.step)
 
     def _start_calls(self, step: Step) -> None:
