@@ -362,3 +362,42 @@ def test_a_programs_torch_settings_are_set_aside_while_the_engine_runs_and_put_b
         assert program_settings.settings() == engine and torch.zeros(1).device.type == "cpu"
     assert counting.ops == 2  # the program's torch.zeros, in each run: none of the engine's
     assert buffer.getvalue() == "the program's own\n" * 2
+
+
+def test_a_program_that_seeds_torchs_generator_draws_its_own_stream_and_the_engine_keeps_its_own():
+    """program_settings.keep_generators_apart: a program's ``torch.manual_seed`` seeds a stream of
+    its own across its waits; the engine's draws in between (vLLM's sampling) go on from where
+    its own stream was, as if no program had seeded; and a program stopped at a wait ends its own."""
+    from interlace.workers import program_settings
+
+    program_settings.keep_generators_apart(calls.WATCHDOG)
+    drawn = []
+
+    def program(m):
+        torch.manual_seed(0)
+        drawn.append(torch.randn(3))
+        m.call.wait_at(Point("model.layers.0", "resid"))
+        drawn.append(torch.randn(3))
+        torch.set_rng_state(torch.get_rng_state())  # setting a state is seeding too: still its own
+        m.call.wait_at(Point("model.layers.1", "resid"))
+        drawn.append(torch.randn(3))
+
+    ours, engines = torch.Generator().manual_seed(0), torch.Generator().manual_seed(123)
+    for stop in (False, True):
+        drawn.clear()
+        torch.manual_seed(123)  # the engine's own seed (here, outside a program: nothing set aside)
+        assert program_settings._GENERATORS.engine is None
+        view = _StageView()
+        call = view.call = ProgramCall(program, view, budget_s=5.0, limit_s=5.0)
+        call.start()
+        engine_draws = [torch.randn(2)]
+        call.resume("first")
+        engine_draws.append(torch.randn(2))
+        call.cancel("stopped") if stop else call.resume("second")
+        engine_draws.append(torch.randn(2))
+        ours.manual_seed(0)
+        assert all(torch.equal(got, torch.randn(3, generator=ours)) for got in drawn) and len(drawn) == 3 - stop
+        engines.manual_seed(123)
+        assert all(torch.equal(got, torch.randn(2, generator=engines)) for got in engine_draws)
+        assert program_settings._GENERATORS.engine is None and torch.initial_seed() == 123
+    torch.manual_seed(0)

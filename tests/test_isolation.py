@@ -164,6 +164,46 @@ def test_a_programs_torch_settings_are_its_own(llama, oracles):
     _next_trace_is_exact(llama, oracle)
 
 
+def _seeded(m):
+    torch.manual_seed(0)
+    first = torch.randn(3)
+    m.layers[0].resid
+    m.save("drawn", torch.cat([first, torch.randn(3)]))
+
+
+def _unseeded(m):  # draws between the seeded program's reads, from the engine's stream
+    drawn = torch.rand(6)
+    m.layers[0].resid
+    m.save("drawn", drawn)
+
+
+def test_a_program_that_seeds_torch_draws_its_own_stream_and_sampling_stays_random(llama, oracles):
+    """``torch.manual_seed`` in a program seeds a stream of its own (program_settings.py): its
+    draws are its seed's across its reads, whatever its neighbours draw meanwhile, and the
+    engine's sampling and the neighbours' draws are not reseeded by it. Before, the seed was the
+    engine's: every invoke sampled the same noise in every trace, and a neighbour drew from it."""
+    oracle = oracles["tiny-llama"]
+    prompts = [_prompt(oracle, "Seeded noise"), _prompt(oracle, "Unseeded noise"), _prompt(oracle, "Sampled freely")]
+    own = torch.Generator().manual_seed(0)
+    expected = torch.cat([torch.randn(3, generator=own), torch.randn(3, generator=own)])
+    own.manual_seed(0)
+    torch.randn(3, generator=own)
+    leaked = torch.rand(6, generator=own)  # what the neighbour would draw from the program's seed
+    sampled = []
+    for _ in range(2):
+        with llama.trace(max_tokens=12, ignore_eos=True, temperature=1.0) as tr:
+            tr.invoke(prompts[0], program=_seeded)
+            tr.invoke(prompts[1], program=_unseeded)
+            tr.invoke(prompts[2])
+        seeded, unseeded, free = tr.result
+        assert seeded.saves["drawn"].numel() == 6 * 12
+        assert all(torch.equal(row, expected) for row in seeded.saves["drawn"].view(-1, 6)), "the program's seeded stream moved"
+        assert not any(torch.equal(row, leaked) for row in unseeded.saves["drawn"].view(-1, 6)), "a neighbour drew from its seed"
+        sampled.append(free.token_ids)
+    assert sampled[0] != sampled[1], "the engine's sampling was reseeded by a program: the same tokens twice"
+    _next_trace_is_exact(llama, oracle)
+
+
 def test_engine_settings_that_skip_hooks_are_refused_before_an_engine_starts():
     from interlace.cluster.config import ModelConfig
     from interlace.cluster.engine import engine_args

@@ -42,7 +42,7 @@ from interlace.workers.ops import OpOrder, applied_bit, selected_nothing
 from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ModuleTree, Rows
 from interlace.workers.printed import capture as capture_printed
-from interlace.workers.program_settings import refuse_profilers
+from interlace.workers import program_settings
 from interlace.workers.program_services import ProgramServices
 from interlace.workers.prologue import prologue_of
 from interlace.workers.reporter import Reporter
@@ -85,7 +85,7 @@ class Interleaver(ProgramServices):
         self.ledger = SaveLedger()
         self.device = next(model.parameters()).device
         self.reporter = Reporter(self.device)
-        refuse_profilers(WATCHDOG)  # once per process (program_settings.py)
+        program_settings.install(WATCHDOG)  # once per process: profilers refused, generators kept apart
         self.slots = SlotTable()
         self.graph_steps: dict[str, int] | None = None  # a compiled engine's steps by kind (graphs.py)
         self.taps = getattr(model, "_interlace_taps", None)  # graph taps built in at load (taps.py)

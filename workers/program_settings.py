@@ -9,16 +9,28 @@ the engine's worker (a CPU kernel called on meta tensors), losing every trace in
 ``sys.stdout`` and ``sys.stderr`` are the process's: a program's ``contextlib.redirect_stdout``
 around a read sent what the programs run meanwhile printed (printed.py) into its buffer.
 
+torch's default random generators are the process's: ``torch.manual_seed`` in a program reseeded
+the generator vLLM samples every request with, so the other invokes' sampling repeated the
+program's noise at every step it seeded, and the draws of programs run between its reads moved
+its seeded stream.
+
 So each program's settings are its own, as a thread's would be. Where a program hands control
 back to the engine (it waits at a point, or ends), what it changed is set aside and the engine's
 settings, read as the engine switched in, are put back; when the engine resumes the program, the
 program's are put back in turn, so that its ``with`` blocks unwind what they entered. Nothing is
-done where nothing changed: a check is eight reads (0.2 us on the 2-core CPU).
+done where nothing changed: a check is nine reads (0.2 us on the 2-core CPU).
 
-Not kept apart: torch's random generators (a program that seeds the global one seeds the
-engine's sampling too; a program of its own ``torch.Generator`` is the fix) and inference mode
-(a program that leaves it off across a read makes the engine's tensors ordinary ones, slower but
-the same values).
+The generators become a program's own once it seeds them or sets their state (the functions
+:func:`keep_generators_apart` wraps: ``torch.manual_seed``, ``torch.cuda.manual_seed``,
+``torch.set_rng_state``...; transformers' ``set_seed`` calls them too): the engine's states are
+read then, and are put back at every hand-over while the program's wait for it. Reading two
+generators' states at every hand-over would cost a program per invoke 1-2 us a switch; a seed
+costs nothing until a program makes one. A program that draws without seeding draws from the
+engine's stream, as the engine's sampling does: random either way.
+
+Not kept apart: inference mode (a program that leaves it off across a read makes the engine's
+tensors ordinary ones, slower but the same values), and the generators' own methods called on
+``torch.default_generator`` (``torch.default_generator.manual_seed(0)``), which cannot be wrapped.
 """
 
 from __future__ import annotations
@@ -49,12 +61,13 @@ class Settings(NamedTuple):
     device: torch.device | None  # the default device torch.utils._device records (None: none set)
     stdout: Any
     stderr: Any
+    generators: Any  # the engine's generator states while a program that seeded runs (None: the engine's own)
 
 
 def settings() -> tuple:
     """The engine's settings now, as a :class:`Settings` tuple."""
     return (_grad(), _dtype(), _threads(), _function_modes(), _dispatch_modes(), _device.CURRENT_DEVICE,
-            sys.stdout, sys.stderr)
+            sys.stdout, sys.stderr, _GENERATORS.engine)
 
 
 class SetAside(NamedTuple):
@@ -64,6 +77,7 @@ class SetAside(NamedTuple):
     function_modes: list  # bottom first
     dispatch_modes: list
     device_context: object  # torch's record of the mode torch.set_default_device entered
+    generators: Any  # the program's generator states, if it seeded (keep_generators_apart)
 
 
 def set_aside(engine: tuple) -> SetAside | None:
@@ -80,7 +94,12 @@ def set_aside(engine: tuple) -> SetAside | None:
         torch._GLOBAL_DEVICE_CONTEXT.device_context = None
     _device.CURRENT_DEVICE = engine.device
     _put(engine, own)
-    return SetAside(own, functions[::-1], dispatches[::-1], context)
+    generators = None
+    if own.generators is not None:  # the program seeded: its states aside, the engine's back
+        generators = _GENERATORS.states()
+        _GENERATORS.put(own.generators)
+        _GENERATORS.engine = None
+    return SetAside(own, functions[::-1], dispatches[::-1], context, generators)
 
 
 def put_back(aside: SetAside, engine: tuple) -> None:
@@ -92,6 +111,9 @@ def put_back(aside: SetAside, engine: tuple) -> None:
     torch._GLOBAL_DEVICE_CONTEXT.device_context = aside.device_context
     _device.CURRENT_DEVICE = aside.settings.device
     _put(aside.settings, Settings._make(engine))
+    if aside.generators is not None:  # the engine's states as they are now (it sampled since), then the program's
+        _GENERATORS.engine = _GENERATORS.states()
+        _GENERATORS.put(aside.generators)
 
 
 def _put(wanted: Settings, now: Settings) -> None:
@@ -135,3 +157,78 @@ def refuse_profilers(watchdog: Any) -> None:
         return guarded
 
     sys.setprofile, sys.settrace = guard(sys.setprofile), guard(sys.settrace)
+
+
+# --- torch's random generators -------------------------------------------------------------------
+
+
+class _States:
+    """Generators' states, read at one moment (compared by identity in a settings tuple)."""
+
+    __slots__ = ("each",)
+
+    def __init__(self, each: list[tuple[torch.Generator, torch.Tensor]]):
+        self.each = each
+
+
+class _Generators:
+    """torch's default generators this process draws from (the CPU's, and its GPU's once CUDA is
+    up), and the engine's states while a program that seeded them runs."""
+
+    def __init__(self):
+        self.engine: _States | None = None
+
+    @staticmethod
+    def states() -> _States:
+        each = [torch.default_generator]
+        if torch.cuda.is_initialized():  # a worker draws on its own device only
+            each.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        return _States([(generator, generator.get_state()) for generator in each])
+
+    @staticmethod
+    def put(states: _States) -> None:
+        for generator, state in states.each:
+            generator.set_state(state)
+
+
+_GENERATORS = _Generators()
+
+# Where torch seeds or sets its default generators' states (one function may go by several names)
+_SEEDING = {"torch": ("manual_seed", "seed", "set_rng_state"),
+            "torch.random": ("manual_seed", "seed", "set_rng_state"),
+            "torch.cuda": ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"),
+            "torch.cuda.random": ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state",
+                                  "set_rng_state_all")}
+
+
+def keep_generators_apart(watchdog: Any) -> None:
+    """Make torch's seeding functions, called from a program's code (``watchdog``: calls.WATCHDOG,
+    which knows whose code runs), first read the engine's generator states: the program's
+    hand-overs put them back (:func:`set_aside`). Once per process."""
+    if getattr(torch.manual_seed, "__interlace_guard__", False):
+        return
+    wrapped: dict[int, Any] = {}
+
+    def wrap(original):
+        def seeding(*args, **kwargs):
+            if _GENERATORS.engine is None and watchdog.running() is not None:
+                _GENERATORS.engine = _GENERATORS.states()
+            return original(*args, **kwargs)
+
+        seeding.__interlace_guard__ = True
+        seeding.__wrapped__ = original
+        seeding.__name__ = getattr(original, "__name__", "seeding")
+        return seeding
+
+    for name, functions in _SEEDING.items():
+        module = sys.modules.get(name) or __import__(name, fromlist=["_"])
+        for function in functions:
+            original = getattr(module, function, None)
+            if original is not None:
+                setattr(module, function, wrapped.setdefault(id(original), wrap(original)))
+
+
+def install(watchdog: Any) -> None:
+    """What a program may not set, and the generators it may seed for itself: once per process."""
+    refuse_profilers(watchdog)
+    keep_generators_apart(watchdog)
