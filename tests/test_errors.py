@@ -206,9 +206,15 @@ def test_nnsights_save_gradients_and_breakpoints_fail_saying_what_to_do_instead(
         sys.setprofile(lambda *_: None)
         m.save("h", m.layers[1].resid)
 
-    for program in (debugged, profiled):  # (one left installed slowed every later step, or hung the engine)
-        with pytest.raises(interlace.InterventionError, match=r"sys.setprofile and sys.settrace \(profilers, tracers, "
-                                                              r"pdb and breakpoint\(\)\) cannot run.*print the figures"):
+    def c_profiled(m):  # cProfile installs its profiler from C
+        import cProfile
+
+        with cProfile.Profile():
+            m.save("h", m.layers[1].resid)
+
+    for program in (debugged, profiled, c_profiled):  # (one left installed slowed every later step, or hung the engine)
+        with pytest.raises(interlace.InterventionError, match=r"sys.setprofile and sys.settrace \(profilers, cProfile, "
+                                                              r"tracers, pdb and breakpoint\(\)\) cannot run.*print the figures"):
             llama.generate(PROMPT, program=program)
     assert llama.generate(PROMPT, program=lambda m: m.save("h", m.layers[1].resid)).saves["h"].shape[0] > 0
 

@@ -134,29 +134,43 @@ def _put(wanted: Settings, now: Settings) -> None:
 # thread's hub after a program there was stopped spun the thread inside the program's next call,
 # then again once the watchdog had let go of it: a hung engine (CPython 3.11, greenlet 3.5; see
 # python-greenlet/greenlet#256 for profilers and switches at odds). So programs may not install
-# one; interlace's own (bench/step_probe.py's cProfile) is installed outside programs.
+# one; interlace's own (bench/step_probe.py's cProfile) is installed outside programs. cProfile
+# installs its profiler from C, past sys.setprofile: its Profile.enable is guarded alike. (Other
+# C profilers, line_profiler or yappi, are not.)
 
-_REFUSED = ("sys.setprofile and sys.settrace (profilers, tracers, pdb and breakpoint()) cannot run inside "
+_REFUSED = ("sys.setprofile and sys.settrace (profilers, cProfile, tracers, pdb and breakpoint()) cannot run inside "
             "the engine, which runs many users' programs on one thread; time parts of a program with "
             "time.perf_counter() and print the figures (what a program prints comes back as result.printed)")
 
 
 def refuse_profilers(watchdog: Any) -> None:
-    """Make ``sys.setprofile`` and ``sys.settrace`` raise when a program's code calls them
-    (``watchdog``: calls.WATCHDOG, which knows whose code runs); once per process."""
+    """Make ``sys.setprofile``, ``sys.settrace`` and ``cProfile.Profile.enable`` raise when a
+    program's code calls them (``watchdog``: calls.WATCHDOG, which knows whose code runs); once
+    per process."""
+    import cProfile
+
     if getattr(sys.setprofile, "__interlace_guard__", False):
         return
 
+    def refused() -> None:
+        if watchdog.running() is not None:
+            raise RuntimeError(_REFUSED)
+
     def guard(original):
         def guarded(function):
-            if function is not None and watchdog.running() is not None:
-                raise RuntimeError(_REFUSED)
+            if function is not None:  # (taking one off is allowed)
+                refused()
             return original(function)
 
         guarded.__interlace_guard__ = True
         return guarded
 
+    def enable(profiler, *args, **kwargs):
+        refused()
+        return original_enable(profiler, *args, **kwargs)
+
     sys.setprofile, sys.settrace = guard(sys.setprofile), guard(sys.settrace)
+    original_enable, cProfile.Profile.enable = cProfile.Profile.enable, enable
 
 
 # --- torch's random generators -------------------------------------------------------------------
