@@ -72,6 +72,10 @@ def _parked(payload: InvokePayload, sink: str, wire_trace: str, parked: dict[int
     return changes
 
 
+class ReportsMissing(RuntimeError):
+    """Reports due from the workers did not come within the grace."""
+
+
 class ReportWatcher:
     """Waits for the reports of ``wanted`` (invoke, stage) pairs in one trace's sink folder.
 
@@ -113,8 +117,9 @@ class ReportWatcher:
             if writing_reports(self.root):
                 self._deadline = time.monotonic() + self.grace_s
                 return
-            raise RuntimeError(f"trace {self.folder.name}: no report from (invoke, stage) {sorted(missing)} "
-                               f"within {self.grace_s:.0f}s; a worker may have died")
+            raise ReportsMissing(f"trace {self.folder.name}: no report from (invoke, stage) {sorted(missing)} "
+                                 f"within {self.grace_s:.0f}s after they were due: the engine's workers died or "
+                                 "can no longer write reports")
 
 
 def assemble(invokes: Sequence[Invoke], completions: Sequence[Completion],

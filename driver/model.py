@@ -30,7 +30,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from interlace.cluster.assembly import ReportWatcher, assemble, build_requests
+from interlace.cluster.assembly import ReportsMissing, ReportWatcher, assemble, build_requests
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine import all_module_names, refuse_graph_settings, shutdown_engine, start_engine
 from interlace.core import settings as interlace_settings
@@ -221,10 +221,16 @@ class Model:
         """Every intervened invoke's report from every pipeline stage, by invoke."""
         wanted = {(i, s) for i in intervened for s in range(self.config.pipeline_parallel_size)}
         watcher = ReportWatcher(self._sink_root, trace_id, wanted, _REPORT_GRACE_S)
-        watcher.poll()
-        while not watcher.done:
-            time.sleep(0.002)
+        try:
             watcher.poll()
+            while not watcher.done:
+                time.sleep(0.002)
+                watcher.poll()
+        except ReportsMissing as exc:
+            # Workers that generate but no longer deliver reports (a worker that died after its
+            # tokens, files it can no longer open) would fail every later trace the same way.
+            self._drop_dead_engine()
+            raise WorkerDied(f"{exc}. This trace's results are lost; the next trace starts a new engine.") from exc
         reports: dict[int, list[dict]] = {}
         for report in watcher.reports:
             reports.setdefault(report["invoke"], []).append(report)

@@ -298,8 +298,58 @@ def test_report_grace_waits_while_a_report_is_being_written(llama, monkeypatch):
 
     threading.Thread(target=finish_later).start()
     assert llama._collect("slow-trace", [0])[0][0]["invoke"] == 0
-    with pytest.raises(RuntimeError, match="no report from .* within 0s; a worker may have died"):
+    with pytest.raises(interlace.WorkerDied, match="no report from .* within 0s after they were due: the engine's "
+                                                   "workers died .* the next trace starts a new engine"):
         llama._collect("silent-trace", [0])
+    assert llama._engine is None  # replaced: an engine whose reports stop would fail every later trace
+
+
+def test_a_program_that_leaves_the_engine_unable_to_report_fails_and_the_next_trace_gets_a_new_engine(
+        llama, oracles, monkeypatch):
+    """Workers that still generate but can no longer write reports (here a program breaks the
+    report writer of its own worker, as an exhausted open-file limit did) fail the trace with
+    WorkerDied once the grace is over; the model replaces the engine, so the next trace is served.
+    Before, every later trace failed the same way after 30 s."""
+    import interlace.model
+
+    monkeypatch.setattr(interlace.model, "_REPORT_GRACE_S", 2.0)
+
+    def breaks_reporting(m):
+        from interlace.workers import reports
+
+        def no_files(*_args, **_kwargs):
+            raise OSError(24, "Too many open files")
+
+        reports.open_sink = no_files
+        m.save("h", m.layers[0].resid)
+
+    broken = llama.engine
+    with pytest.raises(interlace.WorkerDied, match="no report from .* the next trace starts a new engine"):
+        llama.generate(PROMPT, program=breaks_reporting, max_tokens=2)
+    _still_serves(llama, oracles)
+    assert llama.engine is not broken
+
+
+def test_a_program_may_not_change_the_engines_resource_limits(llama, oracles):
+    """The process's limits are every user's: a program that lowered the open-file limit left the
+    engine unable to write any later report."""
+
+    def lowers_limits(m):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16))
+        m.save("h", m.layers[0].resid)
+
+    def reads_them(m):
+        import resource
+
+        m.save("soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+    with pytest.raises(interlace.InterventionError, match="resource.setrlimit and resource.prlimit cannot run "
+                                                          "inside the engine"):
+        llama.generate(PROMPT, program=lowers_limits, max_tokens=2)
+    assert llama.generate(PROMPT, program=reads_them).saves["soft"] > 16
+    _still_serves(llama, oracles)
 
 
 def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(llama, oracles):

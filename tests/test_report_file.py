@@ -523,7 +523,7 @@ def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
         watcher.poll()
     eager = ReportWatcher(tmp_path, "u", {(0, 0)}, grace_s=0.2)  # after generation: due at once
     time.sleep(0.3)
-    with pytest.raises(RuntimeError, match="a worker may have died"):
+    with pytest.raises(RuntimeError, match="workers died or can no longer write reports"):
         eager.poll()
 
 

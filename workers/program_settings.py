@@ -242,7 +242,39 @@ def keep_generators_apart(watchdog: Any) -> None:
                 setattr(module, function, wrapped.setdefault(id(original), wrap(original)))
 
 
+# The process's resource limits are everyone's: a program that lowered the open-file limit left the
+# engine unable to write any later trace's report (each trace failed after the driver's grace, and
+# so did every trace after it), and one on memory or CPU time would end the engine for all.
+_LIMITS_REFUSED = ("resource.setrlimit and resource.prlimit cannot run inside the engine: its resource limits "
+                   "are those of every user's traces")
+
+
+def refuse_resource_limits(watchdog: Any) -> None:
+    """Make ``resource.setrlimit`` and ``resource.prlimit`` (setting a limit) raise when a
+    program's code calls them; once per process."""
+    import resource
+
+    if getattr(resource.setrlimit, "__interlace_guard__", False):
+        return
+
+    def setrlimit(*args, **kwargs):
+        if watchdog.running() is not None:
+            raise RuntimeError(_LIMITS_REFUSED)
+        return original_setrlimit(*args, **kwargs)
+
+    def prlimit(*args, **kwargs):
+        if len(args) > 2 and watchdog.running() is not None:  # (reading one is allowed)
+            raise RuntimeError(_LIMITS_REFUSED)
+        return original_prlimit(*args, **kwargs)
+
+    setrlimit.__interlace_guard__ = True
+    original_setrlimit, resource.setrlimit = resource.setrlimit, setrlimit
+    if hasattr(resource, "prlimit"):
+        original_prlimit, resource.prlimit = resource.prlimit, prlimit
+
+
 def install(watchdog: Any) -> None:
     """What a program may not set, and the generators it may seed for itself: once per process."""
     refuse_profilers(watchdog)
+    refuse_resource_limits(watchdog)
     keep_generators_apart(watchdog)
