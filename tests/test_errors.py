@@ -304,6 +304,16 @@ def test_report_grace_waits_while_a_report_is_being_written(llama, monkeypatch):
     assert llama._engine is None  # replaced: an engine whose reports stop would fail every later trace
 
 
+def _fails_and_a_new_engine_serves(llama, oracles, program, match: str) -> None:
+    """``program`` leaves the engine unable to serve: its trace fails with WorkerDied, and the
+    model's next trace runs on a new engine, exact."""
+    old = llama.engine
+    with pytest.raises(interlace.WorkerDied, match=match):
+        llama.generate(PROMPT, program=program, max_tokens=2)
+    _still_serves(llama, oracles)
+    assert llama.engine is not old
+
+
 def test_a_program_that_leaves_the_engine_unable_to_report_fails_and_the_next_trace_gets_a_new_engine(
         llama, oracles, monkeypatch):
     """Workers that still generate but can no longer write reports (here a program breaks the
@@ -323,11 +333,7 @@ def test_a_program_that_leaves_the_engine_unable_to_report_fails_and_the_next_tr
         reports.open_sink = no_files
         m.save("h", m.layers[0].resid)
 
-    broken = llama.engine
-    with pytest.raises(interlace.WorkerDied, match="no report from .* the next trace starts a new engine"):
-        llama.generate(PROMPT, program=breaks_reporting, max_tokens=2)
-    _still_serves(llama, oracles)
-    assert llama.engine is not broken
+    _fails_and_a_new_engine_serves(llama, oracles, breaks_reporting, "no report from .* the next trace starts a new engine")
 
 
 def test_a_program_may_not_change_the_engines_resource_limits(llama, oracles):
@@ -363,11 +369,7 @@ def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(llama, oracl
         m.layers[0].resid
         os.kill(os.getpid(), signal.SIGKILL)
 
-    dead = llama.engine
-    with pytest.raises(interlace.WorkerDied, match="died"):
-        llama.generate(PROMPT, program=crash, max_tokens=2)
-    _still_serves(llama, oracles)
-    assert llama.engine is not dead
+    _fails_and_a_new_engine_serves(llama, oracles, crash, "died")
 
 
 def test_m_used_from_another_thread_raises_there_and_the_program_goes_on(llama, oracles):

@@ -35,8 +35,10 @@ tensors ordinary ones, slower but the same values), and the generators' own meth
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils import _device
@@ -143,34 +145,39 @@ _REFUSED = ("sys.setprofile and sys.settrace (profilers, cProfile, tracers, pdb 
             "time.perf_counter() and print the figures (what a program prints comes back as result.printed)")
 
 
-def refuse_profilers(watchdog: Any) -> None:
-    """Make ``sys.setprofile``, ``sys.settrace`` and ``cProfile.Profile.enable`` raise when a
-    program's code calls them (``watchdog``: calls.WATCHDOG, which knows whose code runs); once
-    per process."""
-    import cProfile
-
-    if getattr(sys.setprofile, "__interlace_guard__", False):
+def _before(owner: Any, name: str, check: Callable[..., None]) -> None:
+    """Wrap ``owner.name`` so that ``check`` sees its arguments first (once per process: a
+    wrapped function is left as it is)."""
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, "__interlace_guard__", False):
         return
 
-    def refused() -> None:
-        if watchdog.running() is not None:
-            raise RuntimeError(_REFUSED)
+    @functools.wraps(original)
+    def checked(*args, **kwargs):
+        check(*args)
+        return original(*args, **kwargs)
 
-    def guard(original):
-        def guarded(function):
-            if function is not None:  # (taking one off is allowed)
-                refused()
-            return original(function)
+    checked.__interlace_guard__ = True
+    setattr(owner, name, checked)
 
-        guarded.__interlace_guard__ = True
-        return guarded
 
-    def enable(profiler, *args, **kwargs):
-        refused()
-        return original_enable(profiler, *args, **kwargs)
+def _refuser(watchdog: Any, message: str) -> Callable[[], None]:
+    def refuse() -> None:
+        if watchdog.running() is not None:  # a program's code runs (calls.WATCHDOG knows whose)
+            raise RuntimeError(message)
 
-    sys.setprofile, sys.settrace = guard(sys.setprofile), guard(sys.settrace)
-    original_enable, cProfile.Profile.enable = cProfile.Profile.enable, enable
+    return refuse
+
+
+def refuse_profilers(watchdog: Any) -> None:
+    """Make ``sys.setprofile``, ``sys.settrace`` and ``cProfile.Profile.enable`` raise when a
+    program's code calls them (``watchdog``: calls.WATCHDOG)."""
+    import cProfile
+
+    refuse = _refuser(watchdog, _REFUSED)
+    for name in ("setprofile", "settrace"):
+        _before(sys, name, lambda function: function is None or refuse())  # (taking one off is allowed)
+    _before(cProfile.Profile, "enable", lambda *_: refuse())
 
 
 # --- torch's random generators -------------------------------------------------------------------
@@ -207,7 +214,8 @@ class _Generators:
 
 _GENERATORS = _Generators()
 
-# Where torch seeds or sets its default generators' states (one function may go by several names)
+# Where torch seeds or sets its default generators' states (one function may go by several names;
+# torch.manual_seed calls torch.cuda.manual_seed_all: the engine's states are read once)
 _SEEDING = {"torch": ("manual_seed", "seed", "set_rng_state"),
             "torch.random": ("manual_seed", "seed", "set_rng_state"),
             "torch.cuda": ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"),
@@ -218,28 +226,15 @@ _SEEDING = {"torch": ("manual_seed", "seed", "set_rng_state"),
 def keep_generators_apart(watchdog: Any) -> None:
     """Make torch's seeding functions, called from a program's code (``watchdog``: calls.WATCHDOG,
     which knows whose code runs), first read the engine's generator states: the program's
-    hand-overs put them back (:func:`set_aside`). Once per process."""
-    if getattr(torch.manual_seed, "__interlace_guard__", False):
-        return
-    wrapped: dict[int, Any] = {}
+    hand-overs put them back (:func:`set_aside`)."""
 
-    def wrap(original):
-        def seeding(*args, **kwargs):
-            if _GENERATORS.engine is None and watchdog.running() is not None:
-                _GENERATORS.engine = _GENERATORS.states()
-            return original(*args, **kwargs)
+    def engine_states_first(*_args) -> None:
+        if _GENERATORS.engine is None and watchdog.running() is not None:
+            _GENERATORS.engine = _GENERATORS.states()
 
-        seeding.__interlace_guard__ = True
-        seeding.__wrapped__ = original
-        seeding.__name__ = getattr(original, "__name__", "seeding")
-        return seeding
-
-    for name, functions in _SEEDING.items():
-        module = sys.modules.get(name) or __import__(name, fromlist=["_"])
-        for function in functions:
-            original = getattr(module, function, None)
-            if original is not None:
-                setattr(module, function, wrapped.setdefault(id(original), wrap(original)))
+    for module, functions in _SEEDING.items():
+        for name in functions:
+            _before(importlib.import_module(module), name, engine_states_first)
 
 
 # The process's resource limits are everyone's: a program that lowered the open-file limit left the
@@ -251,26 +246,12 @@ _LIMITS_REFUSED = ("resource.setrlimit and resource.prlimit cannot run inside th
 
 def refuse_resource_limits(watchdog: Any) -> None:
     """Make ``resource.setrlimit`` and ``resource.prlimit`` (setting a limit) raise when a
-    program's code calls them; once per process."""
+    program's code calls them."""
     import resource
 
-    if getattr(resource.setrlimit, "__interlace_guard__", False):
-        return
-
-    def setrlimit(*args, **kwargs):
-        if watchdog.running() is not None:
-            raise RuntimeError(_LIMITS_REFUSED)
-        return original_setrlimit(*args, **kwargs)
-
-    def prlimit(*args, **kwargs):
-        if len(args) > 2 and watchdog.running() is not None:  # (reading one is allowed)
-            raise RuntimeError(_LIMITS_REFUSED)
-        return original_prlimit(*args, **kwargs)
-
-    setrlimit.__interlace_guard__ = True
-    original_setrlimit, resource.setrlimit = resource.setrlimit, setrlimit
-    if hasattr(resource, "prlimit"):
-        original_prlimit, resource.prlimit = resource.prlimit, prlimit
+    refuse = _refuser(watchdog, _LIMITS_REFUSED)
+    _before(resource, "setrlimit", lambda *_: refuse())
+    _before(resource, "prlimit", lambda *args: len(args) < 3 or refuse())  # (reading one is allowed)
 
 
 def install(watchdog: Any) -> None:
