@@ -230,6 +230,29 @@ def test_a_rerun_skips_every_finished_shard(ops_sweep):
     assert again["status"] == "complete" and again["summary"]["prompts_this_run"] == 0
 
 
+def test_a_shard_sent_again_after_its_commit_returns_the_committed_record_without_running(tmp_path):
+    """Ray Data sends a shard again when its actor died after the commit but before its answer
+    reached the driver (a node lost right then): the runner it reaches returns the record that
+    committed, and never runs it again (this runner has no engine: running would raise)."""
+    from interlace.cluster.sweep.shard_writer import Outcome, PromptRow, ShardRunner, committed_record, write_shard
+    from interlace.cluster.sweep.store import SweepStore
+
+    store = SweepStore(tmp_path / "out")
+    store.make()
+    rows = [PromptRow(8, 8, "a prompt"), PromptRow(9, 9, "another")]
+    outcomes = {8: Outcome(token_ids=[5, 6], text="xy", prompt_tokens=2, saves={"r": torch.ones(1, 4)}),
+                9: Outcome(token_ids=[7], text="z", prompt_tokens=3, saves={"r": torch.zeros(1, 4)})}
+    record = write_shard(store, 4, rows, outcomes, run_s=0.5, host="the-lost-node", pid=4242)
+    runner = object.__new__(ShardRunner)
+    runner.out = store
+    assert runner.run_shard(4, rows) == record
+    assert json.loads((tmp_path / "out" / "shard-00004.json").read_text())["pid"] == 4242  # left as committed
+    tensors = tmp_path / "out" / record["files"]["tensors"]["name"]
+    tensors.write_bytes(tensors.read_bytes()[:-1])  # a record whose files are not as recorded is no commit
+    assert committed_record(store, 4) is None and committed_record(store, 4, store.sizes()) is None
+    assert committed_record(store, 5) is None
+
+
 # --- a program: failing prompts and malformed rows per prompt, max_failures, resume -----------------
 
 

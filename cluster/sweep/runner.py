@@ -26,8 +26,9 @@ How it runs, on Ray Data:
 Exactly once: a shard's files are committed (renamed into place in a local folder; on an object
 store, PUT under names unique to the attempt, see :mod:`interlace.cluster.sweep.store`) before
 its record, and a shard counts as done only when its record exists with files of the recorded
-sizes. A shard whose actor died runs again (in a folder, under the same file names); a driver killed mid-sweep loses nothing committed, and a rerun of the same
-command runs only the shards without a record.
+sizes. A shard whose actor died runs again (in a folder, under the same file names) unless it
+committed first: then the runner it is sent to returns its record. A driver killed mid-sweep loses
+nothing committed, and a rerun of the same command runs only the shards without a record.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from interlace.cluster.sweep.shard_writer import (
     PromptRow,
     RunPlan,
     ShardRunner,
+    committed_record,
     merge_partials,
     shard_stem,
 )
@@ -444,21 +446,10 @@ def _actor_resources(cfg: SweepConfig, spread: bool = False) -> dict:
 
 
 def committed_shards(out: SweepStore, shards: int) -> dict[int, dict]:
-    """The shards whose record exists and whose files have the recorded sizes (the records are
-    the truth: files no record names, such as a killed attempt's, are never counted)."""
-    done = {}
-    sizes = out.sizes()  # one listing
-    for k in range(shards):
-        if f"{shard_stem(k)}.json" not in sizes:
-            continue
-        try:
-            record = json.loads(out.read_bytes(f"{shard_stem(k)}.json") or b"")
-        except ValueError:
-            continue
-        files = record.get("files", {}).values()
-        if all(sizes.get(f["name"]) == f["bytes"] for f in files):
-            done[k] = record
-    return done
+    """The committed shards' records (:func:`committed_record`), from one listing of the output."""
+    sizes = out.sizes()
+    records = {k: committed_record(out, k, sizes) for k in range(shards)}
+    return {k: record for k, record in records.items() if record is not None}
 
 
 def _identity_hash(cfg: SweepConfig) -> str:

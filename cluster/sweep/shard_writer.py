@@ -153,6 +153,12 @@ class ShardRunner:
     # --- one shard ---------------------------------------------------------------------------
 
     def run_shard(self, shard: int, rows: list[PromptRow]) -> dict:
+        # Ray Data sends a shard again when the actor that ran it died before its answer reached
+        # the driver, though it may have committed first (a node lost right after a commit). The
+        # shard is done: running it again would replace the committing attempt's record.
+        record = committed_record(self.out, shard)
+        if record is not None:
+            return record
         started = time.monotonic()
         outcomes = {r.prompt_id: Outcome(error=r.problem) for r in rows}
         runnable = []
@@ -252,6 +258,31 @@ def _reap_on_exit(pids: list[int]) -> None:
 
 
 # --- writing -----------------------------------------------------------------------------------
+
+
+def committed_record(store: SweepStore, shard: int, sizes: dict[str, int] | None = None) -> dict | None:
+    """Shard ``shard``'s record if it is committed: the record exists and the files it names have
+    the recorded sizes (the records are the truth: files no record names, such as a killed
+    attempt's, never count). ``sizes``: one listing of the output, for a caller checking many."""
+    stem = shard_stem(shard)
+    if sizes is not None and f"{stem}.json" not in sizes:
+        return None
+    try:
+        record = json.loads(store.read_bytes(f"{stem}.json") or b"")
+    except ValueError:
+        return None
+    for file in record.get("files", {}).values():
+        size = sizes.get(file["name"]) if sizes is not None else _size_or_none(store, file["name"])
+        if size != file["bytes"]:
+            return None
+    return record
+
+
+def _size_or_none(store: SweepStore, name: str) -> int | None:
+    try:
+        return store.size(name)
+    except OSError:
+        return None
 
 
 def write_shard(store: SweepStore, shard: int, rows: list[PromptRow], outcomes: dict[int, Outcome], **facts: Any) -> dict:
