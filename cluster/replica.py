@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from interlace.cluster.assembly import ReportWatcher, build_requests
+from interlace.cluster.assembly import ReportsMissing, ReportWatcher, build_requests
 from interlace.cluster.config import ClusterConfig, ModelConfig
 from interlace.cluster.engine import all_module_names, shutdown_engine, start_async_engine
 from interlace.cluster.engine_processes import start_fork_server
@@ -52,7 +52,8 @@ _FLUSH_S = 1.0  # then how long it lets Ray send those answers before the proces
 
 
 class _EngineGone(Exception):
-    """The engine died under a shard that was not waiting on it (it was reading reports)."""
+    """The engine died under a shard that was not waiting on it (it was reading reports), or its
+    reports stopped coming."""
 
 
 class Replica:
@@ -89,6 +90,7 @@ class Replica:
         self.max_in_flight_seen = 0
         self.shards_served = 0
         self._death: EngineDeath | None = None  # the engine died: this process ends soon
+        self._reports_stopped: str | None = None  # why, when its reports stopped coming
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -243,13 +245,24 @@ class Replica:
         """Every expected report of the shard from the sink folder (a ReportWatcher, done)."""
 
         watcher = ReportWatcher(self.sink_root, task.wire_trace, expected, REPORT_GRACE_S)
-        watcher.poll()
-        while not watcher.done:
-            await asyncio.sleep(_POLL_S)
-            if self._engine_gone():
-                raise _EngineGone()
+        try:
             watcher.poll()
+            while not watcher.done:
+                await asyncio.sleep(_POLL_S)
+                if self._engine_gone():
+                    raise _EngineGone()
+                watcher.poll()
+        except ReportsMissing as exc:
+            raise self._stopped_reporting(exc) from exc
         return watcher
+
+    def _stopped_reporting(self, exc: ReportsMissing) -> "_EngineGone":
+        """An engine that generates but whose reports stopped coming (a worker dead after its
+        tokens, files it can no longer open) would fail every later shard alike: it is treated
+        as dead, and this replica restarts."""
+        print(f"interlace replica {self.index}: {exc}", flush=True)
+        self._reports_stopped = str(exc)
+        return _EngineGone()
 
     def _engine_gone(self) -> bool:
         """Whether the engine died, for a shard that may never hear it from a ``generate`` call:
@@ -377,7 +390,10 @@ class Replica:
                 waiting = finished.keys() - sent
                 if not waiting:
                     continue  # reports are read once an invoke finished (a folder listing per event cost the loop)
-                watcher.poll()
+                try:
+                    watcher.poll()
+                except ReportsMissing as exc:
+                    raise self._stopped_reporting(exc) from exc
                 for j in sorted(waiting):
                     payload = task.payloads[j]
                     if payload is not None and any((payload.invoke, s) in watcher.wanted for s in range(task.stages)):
@@ -418,7 +434,7 @@ class Replica:
         was running when its process ended)."""
         record = culprit(read_records(self.sink_root))
         if record is None:
-            return EngineDeath(self.index, None)
+            return EngineDeath(self.index, None, message=self._reports_stopped or "")
         invoke, limit = record["invoke"], record.get("limit_s", 0.0)
         if record["state"] == "overran":
             cause, message = "time_limit", (

@@ -300,6 +300,7 @@ class Cluster:
 
         size = len(task.prompts)
         lost = 0  # deaths counted against max_retries: not another trace's program's doing
+        why = ""  # the last of those deaths' known cause
         for dispatch in itertools.count():
             attempt = next(attempts)
             task = dataclasses.replace(task, attempt=attempt)
@@ -321,13 +322,14 @@ class Cluster:
                                              invoke=out.invoke, cause=out.cause)
                 if out.culprit is None:
                     lost += 1
+                    why = out.message or why
                 else:
                     self._innocent_reruns += 1
             finally:
                 await self._release(slot, size)
             if lost > self.config.max_retries:
                 raise WorkerDied(f"trace {task.trace}: shard {task.shard} lost its replica {lost} times "
-                                 f"(max_retries={self.config.max_retries}); giving up")
+                                 f"(max_retries={self.config.max_retries}); giving up" + (f" (last: {why})" if why else ""))
 
     # --- routing -----------------------------------------------------------------------------
 

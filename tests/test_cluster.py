@@ -378,6 +378,37 @@ def test_a_program_that_ends_its_engine_fails_alone_and_once(no_retries, clean, 
     _whole_again(cluster)
 
 
+def breaks_reporting(m):
+    """Leaves its worker generating but unable to write any report (as an exhausted open-file
+    limit did; programs may no longer change the limits)."""
+    from interlace.workers import reports
+
+    def no_files(*_args, **_kwargs):
+        raise OSError(24, "Too many open files")
+
+    reports.open_sink = no_files
+    m.save("h", m.layers[0].resid)
+
+
+def test_a_replica_whose_reports_stop_restarts_and_serves_again(no_retries, clean):
+    """An engine that generates but whose reports stopped coming would fail every later shard
+    after the report grace (30 s): the replica restarts as for a dead engine, the trace fails with
+    the reason, and the cluster serves every later trace."""
+    cluster = no_retries
+    _whole_again(cluster)
+    before = cluster.status()
+    broken = cluster.trace(max_tokens=2)
+    broken.invoke("Broken", program=breaks_reporting)
+    with pytest.raises(interlace.WorkerDied, match=r"lost its replica 1 times .*no report from .* can no longer "
+                                                   r"write reports"):
+        cluster.submit(broken).result(timeout=180)
+    _whole_again(cluster)
+    after = cluster.status()
+    assert sum(r["restarts"] for r in after["replicas"]) - sum(r["restarts"] for r in before["replicas"]) == 1
+    for i in (0, 1):  # both replicas (the restarted one among them) serve, exact
+        assert_same(cluster.submit(innocent(cluster, i)).result(timeout=120), clean[i])
+
+
 def shares_its_prompt(m):
     m.share("by_length", torch.ones(m.layers[0].resid.shape[0]), merge="sum")  # rows: this invoke's prompt length
 

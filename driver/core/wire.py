@@ -143,7 +143,7 @@ class EngineDeath:
     culprit: str | None  # the user's trace id whose program ended the engine; None: not attributable
     invoke: int | None = None  # the culprit's invoke whose program it was
     cause: str | None = None  # "time_limit": it did not stop at its limit; "exited": it ended the process
-    message: str = ""  # for the culprit's error: what its program did
+    message: str = ""  # for the culprit's error: what its program did; else what is known (reports stopped)
 
     def blames(self, trace: str) -> bool:
         return self.culprit == trace
