@@ -24,7 +24,6 @@ import os
 import threading
 from typing import Any, Iterator
 
-import cloudpickle
 
 from interlace.cluster.serve.http_api import (
     SAFETENSORS_TYPE,
@@ -36,7 +35,7 @@ from interlace.cluster.serve.http_api import (
     read_safetensors_body,
 )
 from interlace.core.settings import trace_timeout_s
-from interlace.core.trace import InterventionError, TraceResult, WorkerDied, check_trace, programs_by_value
+from interlace.core.trace import InterventionError, TraceResult, WorkerDied, check_trace, dumps, programs_by_value
 from interlace.model import DEFAULT_MAX_SAVE_BYTES, Model, Trace
 from interlace.workers.points import ModuleTree
 
@@ -141,7 +140,7 @@ class Remote:
             for inv in trace.invokes:
                 program = None
                 if inv.program is not None:
-                    program = base64.b64encode(cloudpickle.dumps(inv.program)).decode()
+                    program = base64.b64encode(dumps(inv.program)).decode()
                 invokes.append(InvokeRequest(
                     prompt=inv.prompt if isinstance(inv.prompt, str) else list(inv.prompt),
                     ops=[HttpOp.of(op) for op in inv.ops], program=program,

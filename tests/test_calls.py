@@ -364,13 +364,57 @@ def test_a_programs_torch_settings_are_set_aside_while_the_engine_runs_and_put_b
     assert buffer.getvalue() == "the program's own\n" * 2
 
 
+def _numerics() -> tuple:
+    """What the test below changes: torch's numerics settings, as torch's public API reads them."""
+    return (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+
+
+def test_a_programs_numerics_settings_are_its_own_and_the_engine_keeps_its_own():
+    """program_settings.keep_process_state_apart: torch's numerics settings are the process's (a
+    program's TF32 or bf16 matmuls, or deterministic algorithms, were every user's until the engine
+    ended); a program that sets them keeps them across its waits, the engine runs with its own in
+    between, and a program stopped at a wait leaves the engine's."""
+    from interlace.workers import program_settings
+
+    program_settings.keep_process_state_apart(calls.WATCHDOG)
+    engine = _numerics()
+    changed = ("bf16", "ieee" if engine[1] == "tf32" else "tf32", True, True, not engine[4], not engine[5])
+    seen = []
+
+    def program(m):
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        torch.backends.cuda.matmul.allow_tf32 = engine[1] != "tf32"  # (the older API: a precision of the newer)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = not engine[4]  # (a property that kept torch._C's setter as it was)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not engine[5]
+        m.call.wait_at(Point("model.layers.0", "resid"))
+        seen.append(_numerics())
+        m.call.wait_at(Point("model.layers.1", "resid"))
+        seen.append(_numerics())
+
+    for stop in (False, True):
+        seen.clear()
+        view = _StageView()
+        call = view.call = ProgramCall(program, view, budget_s=5.0, limit_s=5.0)
+        call.start()
+        assert _numerics() == engine and program_settings._PROCESS.engine is None
+        call.resume("first")
+        assert _numerics() == engine
+        call.cancel("stopped") if stop else call.resume("second")
+        assert call.done and call.error is None or stop
+        assert seen == [changed] * (2 - stop)
+        assert _numerics() == engine and program_settings._PROCESS.engine is None
+
+
 def test_a_program_that_seeds_torchs_generator_draws_its_own_stream_and_the_engine_keeps_its_own():
-    """program_settings.keep_generators_apart: a program's ``torch.manual_seed`` seeds a stream of
+    """program_settings.keep_process_state_apart: a program's ``torch.manual_seed`` seeds a stream of
     its own across its waits; the engine's draws in between (vLLM's sampling) go on from where
     its own stream was, as if no program had seeded; and a program stopped at a wait ends its own."""
     from interlace.workers import program_settings
 
-    program_settings.keep_generators_apart(calls.WATCHDOG)
+    program_settings.keep_process_state_apart(calls.WATCHDOG)
     drawn = []
 
     def program(m):
@@ -386,7 +430,7 @@ def test_a_program_that_seeds_torchs_generator_draws_its_own_stream_and_the_engi
     for stop in (False, True):
         drawn.clear()
         torch.manual_seed(123)  # the engine's own seed (here, outside a program: nothing set aside)
-        assert program_settings._GENERATORS.engine is None
+        assert program_settings._PROCESS.engine is None
         view = _StageView()
         call = view.call = ProgramCall(program, view, budget_s=5.0, limit_s=5.0)
         call.start()
@@ -399,5 +443,5 @@ def test_a_program_that_seeds_torchs_generator_draws_its_own_stream_and_the_engi
         assert all(torch.equal(got, torch.randn(3, generator=ours)) for got in drawn) and len(drawn) == 3 - stop
         engines.manual_seed(123)
         assert all(torch.equal(got, torch.randn(2, generator=engines)) for got in engine_draws)
-        assert program_settings._GENERATORS.engine is None and torch.initial_seed() == 123
+        assert program_settings._PROCESS.engine is None and torch.initial_seed() == 123
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ from test_ops_order import *  # noqa: F403 - ops' order among shared ops, tuple 
 from test_isolation import (  # noqa: F401 - bad writes never reach other requests, collected again here
     _next_trace_is_exact,
     test_a_program_that_seeds_torch_draws_its_own_stream_and_sampling_stays_random,
+    test_a_programs_numerics_settings_are_its_own,
     test_a_programs_torch_settings_are_its_own,
     test_forced_tokens_outside_the_vocabulary_fail_that_invoke_and_the_engine_serves,
     test_non_finite_writes_never_reach_other_requests,

@@ -12,7 +12,11 @@ around a read sent what the programs run meanwhile printed (printed.py) into its
 torch's default random generators are the process's: ``torch.manual_seed`` in a program reseeded
 the generator vLLM samples every request with, so the other invokes' sampling repeated the
 program's noise at every step it seeded, and the draws of programs run between its reads moved
-its seeded stream.
+its seeded stream. So are its numerics settings: float32 matmul precision (TF32 on cuBLAS, bf16
+on oneDNN), deterministic algorithms, reduced-precision reductions, cuDNN's flags. One set by a
+program changed every user's arithmetic for the engine's life (a float32 model is float32 on GPUs
+only while matmuls stay IEEE: docs/guide.md), or made kernels without a deterministic version
+raise in everyone's forward pass.
 
 So each program's settings are its own, as a thread's would be. Where a program hands control
 back to the engine (it waits at a point, or ends), what it changed is set aside and the engine's
@@ -20,17 +24,20 @@ settings, read as the engine switched in, are put back; when the engine resumes 
 program's are put back in turn, so that its ``with`` blocks unwind what they entered. Nothing is
 done where nothing changed: a check is nine reads (0.2 us on the 2-core CPU).
 
-The generators become a program's own once it seeds them or sets their state (the functions
-:func:`keep_generators_apart` wraps: ``torch.manual_seed``, ``torch.cuda.manual_seed``,
-``torch.set_rng_state``...; transformers' ``set_seed`` calls them too): the engine's states are
-read then, and are put back at every hand-over while the program's wait for it. Reading two
-generators' states at every hand-over would cost a program per invoke 1-2 us a switch; a seed
-costs nothing until a program makes one. A program that draws without seeding draws from the
-engine's stream, as the engine's sampling does: random either way.
+These process-wide settings become a program's own once it changes one (the functions
+:func:`keep_process_state_apart` wraps: ``torch.manual_seed``, ``torch.cuda.manual_seed``,
+``torch.set_rng_state``..., transformers' ``set_seed`` calls them too; and every setter of the
+numerics settings, ``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32
+= ...``, ``torch.use_deterministic_algorithms``...): the engine's are read then, and are put back
+at every hand-over while the program's wait for it. Reading them at every hand-over would cost a
+program per invoke several us a switch; a change costs nothing until a program makes one. A
+program that draws without seeding draws from the engine's stream, as the engine's sampling does:
+random either way.
 
 Not kept apart: inference mode (a program that leaves it off across a read makes the engine's
-tensors ordinary ones, slower but the same values), and the generators' own methods called on
-``torch.default_generator`` (``torch.default_generator.manual_seed(0)``), which cannot be wrapped.
+tensors ordinary ones, slower but the same values), the generators' own methods called on
+``torch.default_generator`` (``torch.default_generator.manual_seed(0)``), which cannot be wrapped,
+and ``torch.set_flush_denormal`` (torch cannot read it back).
 """
 
 from __future__ import annotations
@@ -63,13 +70,13 @@ class Settings(NamedTuple):
     device: torch.device | None  # the default device torch.utils._device records (None: none set)
     stdout: Any
     stderr: Any
-    generators: Any  # the engine's generator states while a program that seeded runs (None: the engine's own)
+    process: Any  # the engine's process-wide state while a program that changed it runs (None: the engine's own)
 
 
 def settings() -> tuple:
     """The engine's settings now, as a :class:`Settings` tuple."""
     return (_grad(), _dtype(), _threads(), _function_modes(), _dispatch_modes(), _device.CURRENT_DEVICE,
-            sys.stdout, sys.stderr, _GENERATORS.engine)
+            sys.stdout, sys.stderr, _PROCESS.engine)
 
 
 class SetAside(NamedTuple):
@@ -79,7 +86,7 @@ class SetAside(NamedTuple):
     function_modes: list  # bottom first
     dispatch_modes: list
     device_context: object  # torch's record of the mode torch.set_default_device entered
-    generators: Any  # the program's generator states, if it seeded (keep_generators_apart)
+    process: Any  # the program's process-wide state, if it changed it (keep_process_state_apart)
 
 
 def set_aside(engine: tuple) -> SetAside | None:
@@ -96,12 +103,12 @@ def set_aside(engine: tuple) -> SetAside | None:
         torch._GLOBAL_DEVICE_CONTEXT.device_context = None
     _device.CURRENT_DEVICE = engine.device
     _put(engine, own)
-    generators = None
-    if own.generators is not None:  # the program seeded: its states aside, the engine's back
-        generators = _GENERATORS.states()
-        _GENERATORS.put(own.generators)
-        _GENERATORS.engine = None
-    return SetAside(own, functions[::-1], dispatches[::-1], context, generators)
+    process = None
+    if own.process is not None:  # the program changed the process's state: its own aside, the engine's back
+        process = _PROCESS.read()
+        _PROCESS.put(own.process)
+        _PROCESS.engine = None
+    return SetAside(own, functions[::-1], dispatches[::-1], context, process)
 
 
 def put_back(aside: SetAside, engine: tuple) -> None:
@@ -113,9 +120,9 @@ def put_back(aside: SetAside, engine: tuple) -> None:
     torch._GLOBAL_DEVICE_CONTEXT.device_context = aside.device_context
     _device.CURRENT_DEVICE = aside.settings.device
     _put(aside.settings, Settings._make(engine))
-    if aside.generators is not None:  # the engine's states as they are now (it sampled since), then the program's
-        _GENERATORS.engine = _GENERATORS.states()
-        _GENERATORS.put(aside.generators)
+    if aside.process is not None:  # the engine's state as it is now (it sampled since), then the program's
+        _PROCESS.engine = _PROCESS.read()
+        _PROCESS.put(aside.process)
 
 
 def _put(wanted: Settings, now: Settings) -> None:
@@ -180,39 +187,51 @@ def refuse_profilers(watchdog: Any) -> None:
     _before(cProfile.Profile, "enable", lambda *_: refuse())
 
 
-# --- torch's random generators -------------------------------------------------------------------
+# --- the process's state: torch's random generators and numerics settings -------------------------
 
 
-class _States:
-    """Generators' states, read at one moment (compared by identity in a settings tuple)."""
+class _State:
+    """The process's state at one moment (compared by identity in a settings tuple): each default
+    generator's state, and each numerics setting's value."""
 
-    __slots__ = ("each",)
+    __slots__ = ("generators", "numerics")
 
-    def __init__(self, each: list[tuple[torch.Generator, torch.Tensor]]):
-        self.each = each
+    def __init__(self, generators: list[tuple[torch.Generator, torch.Tensor]], numerics: list[Any]):
+        self.generators = generators
+        self.numerics = numerics
 
 
-class _Generators:
+class _ProcessState:
     """torch's default generators this process draws from (the CPU's, and its GPU's once CUDA is
-    up), and the engine's states while a program that seeded them runs."""
+    up) and its numerics settings (:func:`_numerics`), and the engine's state while a program that
+    changed it runs."""
 
     def __init__(self):
-        self.engine: _States | None = None
+        self.engine: _State | None = None
+        self.numerics: list[tuple[Callable[[], Any], Callable[[Any], Any]]] = []  # (read, write): install()
 
-    @staticmethod
-    def states() -> _States:
-        each = [torch.default_generator]
+    def read(self) -> _State:
+        generators = [torch.default_generator]
         if torch.cuda.is_initialized():  # a worker draws on its own device only
-            each.append(torch.cuda.default_generators[torch.cuda.current_device()])
-        return _States([(generator, generator.get_state()) for generator in each])
+            generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        return _State([(g, g.get_state()) for g in generators], [_read(read) for read, _write in self.numerics])
 
-    @staticmethod
-    def put(states: _States) -> None:
-        for generator, state in states.each:
-            generator.set_state(state)
+    def put(self, state: _State) -> None:
+        for generator, generator_state in state.generators:
+            generator.set_state(generator_state)
+        for (read, write), value in zip(self.numerics, state.numerics):
+            if value is not _UNREAD and _read(read) != value:
+                write(value)
 
 
-_GENERATORS = _Generators()
+def _read(read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except RuntimeError:
+        return _UNREAD
+
+
+_PROCESS = _ProcessState()
 
 # Where torch seeds or sets its default generators' states (one function may go by several names;
 # torch.manual_seed calls torch.cuda.manual_seed_all: the engine's states are read once)
@@ -222,19 +241,65 @@ _SEEDING = {"torch": ("manual_seed", "seed", "set_rng_state"),
             "torch.cuda.random": ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state",
                                   "set_rng_state_all")}
 
+# torch's numerics settings, each read by torch._C._get_<name> and set by torch._C._set_<name> (a
+# getter of two values takes them as two arguments back). torch's own setters (torch.backends'
+# properties, torch.set_float32_matmul_precision, torch.use_deterministic_algorithms) call these.
+_FLAGS = ("cublas_allow_fp16_reduced_precision_reduction", "cublas_allow_bf16_reduced_precision_reduction",
+          "cublas_allow_fp16_accumulation", "cpu_allow_fp16_reduced_precision_reduction",
+          "math_sdp_allow_fp16_bf16_reduction", "cudnn_enabled", "cudnn_benchmark", "cudnn_deterministic",
+          "mkldnn_enabled", "mkldnn_deterministic", "deterministic_fill_uninitialized_memory")
+# Older ways to set float32 precision: torch keeps their effect in the per-backend precisions read
+# above (reading them back raises once a program mixed them with the newer API)
+_PRECISION_SETTERS = ("_set_fp32_precision_setter", "_set_float32_matmul_precision", "_set_cublas_allow_tf32",
+                      "_set_cudnn_allow_tf32", "_set_onednn_allow_tf32")
+_UNREAD = object()  # a setting torch would not read back: left as it is
+_FP32_PRECISIONS = [(backend, op) for backend in ("generic", "cuda", "cudnn", "mkldnn")
+                    for op in ("all", "matmul", "conv", "rnn")]  # those this torch knows (install)
 
-def keep_generators_apart(watchdog: Any) -> None:
-    """Make torch's seeding functions, called from a program's code (``watchdog``: calls.WATCHDOG,
-    which knows whose code runs), first read the engine's generator states: the program's
-    hand-overs put them back (:func:`set_aside`)."""
 
-    def engine_states_first(*_args) -> None:
-        if _GENERATORS.engine is None and watchdog.running() is not None:
-            _GENERATORS.engine = _GENERATORS.states()
+def _numerics() -> list[tuple[Callable[[], Any], Callable[[Any], Any]]]:
+    """(read, write) of each numerics setting this torch has, the writes torch's own (unwrapped).
+    float32 matmul precision is read per backend: the legacy reading
+    (``torch.get_float32_matmul_precision``) raises once the two APIs were mixed, and follows these."""
+    C = torch._C
+    knobs = []
+    for backend, op in _FP32_PRECISIONS:
+        try:
+            C._get_fp32_precision_getter(backend, op)
+        except RuntimeError:  # a pair this torch does not know
+            continue
+        knobs.append((functools.partial(C._get_fp32_precision_getter, backend, op),
+                      functools.partial(C._set_fp32_precision_setter, backend, op)))
+    set_deterministic = C._set_deterministic_algorithms
+    knobs.append((lambda: (C._get_deterministic_algorithms(), C._get_deterministic_algorithms_warn_only()),
+                  lambda value: set_deterministic(value[0], warn_only=value[1])))
+    for name in _FLAGS:
+        read, write = getattr(C, f"_get_{name}", None), getattr(C, f"_set_{name}", None)
+        if read is None or write is None:
+            continue
+        knobs.append((read, lambda value, write=write: write(*value) if isinstance(value, tuple) else write(value)))
+    return knobs
+
+
+def keep_process_state_apart(watchdog: Any) -> None:
+    """Make torch's seeding functions and numerics setters, called from a program's code
+    (``watchdog``: calls.WATCHDOG, which knows whose code runs), first read the engine's state:
+    the program's hand-overs put it back (:func:`set_aside`)."""
+    from torch.backends import ContextProp
+
+    if not _PROCESS.numerics:
+        _PROCESS.numerics = _numerics()
+
+    def engine_state_first(*_args) -> None:
+        if _PROCESS.engine is None and watchdog.running() is not None:
+            _PROCESS.engine = _PROCESS.read()
 
     for module, functions in _SEEDING.items():
         for name in functions:
-            _before(importlib.import_module(module), name, engine_states_first)
+            _before(importlib.import_module(module), name, engine_state_first)
+    for name in (*_PRECISION_SETTERS, "_set_deterministic_algorithms", *(f"_set_{name}" for name in _FLAGS)):
+        _before(torch._C, name, engine_state_first)
+    _before(ContextProp, "__set__", engine_state_first)  # torch.backends.cudnn's kept torch._C's setters as they were
 
 
 # The process's resource limits are everyone's: a program that lowered the open-file limit left the
@@ -255,7 +320,7 @@ def refuse_resource_limits(watchdog: Any) -> None:
 
 
 def install(watchdog: Any) -> None:
-    """What a program may not set, and the generators it may seed for itself: once per process."""
+    """What a program may not set, and the process's state it may change for itself: once per process."""
     refuse_profilers(watchdog)
     refuse_resource_limits(watchdog)
-    keep_generators_apart(watchdog)
+    keep_process_state_apart(watchdog)

@@ -61,7 +61,7 @@ from interlace.cluster.sweep.shard_writer import (
 )
 from interlace.cluster.sweep.store import SweepStore, is_url, shard_tensors
 from interlace.core import settings, sigterm
-from interlace.core.trace import batched, check_program, programs_by_value
+from interlace.core.trace import batched, check_program, dumps, programs_by_value
 
 MANIFEST = "manifest.json"
 SHARED_FILE = "shared.safetensors"
@@ -221,8 +221,6 @@ def _checked(value: Any, column: str, columns: list[str]) -> tuple[Any, str | No
 
 
 def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes:
-    import cloudpickle
-
     program = _import_program(cfg.intervention, base_dir)
     plan = RunPlan(
         sweep_id=identity[:10], output=cfg.output if is_url(cfg.output) else str(Path(cfg.output).resolve()),
@@ -232,7 +230,7 @@ def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes
         timeout_s=cfg.generation.timeout_s or max(settings.trace_timeout_s(), 600.0),
         max_save_bytes=cfg.generation.max_save_bytes)
     with programs_by_value([program]):  # the actors cannot import the user's module
-        return cloudpickle.dumps(plan)
+        return dumps(plan)
 
 
 def _import_program(intervention: SweepIntervention, base_dir: str | Path | None) -> Callable | None:

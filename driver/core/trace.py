@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import inspect
+import io
 import pickle
 import sys
 import sysconfig
 import threading
+import types
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +205,26 @@ def programs_by_value(programs: Iterable[Callable | None]):
                 cloudpickle.unregister_pickle_by_value(module)
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, and modules of a ``types.ModuleType`` subclass by name: torch makes
+    ``torch.backends.cudnn`` and ``torch.backends.mkldnn`` such objects, which cloudpickle's table
+    of modules misses (keyed by the exact type), so a program pickled by value that used
+    ``torch.backends.cudnn`` could not be sent ("cannot pickle 'CudnnModule' object")."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType \
+                and sys.modules.get(obj.__name__) is obj:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> bytes:
+    """``cloudpickle.dumps`` for programs and what carries them (see :class:`_Pickler`)."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: float,
                     max_save_bytes: int) -> list[InvokePayload | None]:
     """What each intervened invoke's request carries to the workers (None: plain request);
@@ -217,7 +240,7 @@ def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: 
             program_bytes = key = None
             if inv.program is not None:
                 if id(inv.program) not in pickled:
-                    data = cloudpickle.dumps(inv.program)
+                    data = dumps(inv.program)
                     pickled[id(inv.program)] = (data, hashlib.sha256(data).hexdigest()[:16])
                 program_bytes, key = pickled[id(inv.program)]
             ops_key = "+".join(op["key"] for op in inv.ops)  # ops are data: equal keys, equal ops
