@@ -9,6 +9,7 @@ reference is the session's ``llama`` Model. The same two replicas also meet a po
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import time
@@ -392,10 +393,16 @@ def breaks_reporting(m):
 
 def test_a_replica_whose_reports_stop_restarts_and_serves_again(no_retries, clean):
     """An engine that generates but whose reports stopped coming would fail every later shard
-    after the report grace (30 s): the replica restarts as for a dead engine, the trace fails with
-    the reason, and the cluster serves every later trace."""
+    after the report grace: the replica restarts as for a dead engine, the trace fails with the
+    reason, and the cluster serves every later trace."""
+    import ray
+
     cluster = no_retries
     _whole_again(cluster)
+    # the grace (30 s), 2 s in these replicas' processes for this test (test_errors shortens a
+    # Model's alike); a restarted replica has its own again
+    shorter = lambda _replica: setattr(importlib.import_module("interlace.cluster.replica"), "REPORT_GRACE_S", 2.0)  # noqa: E731 - by value
+    ray.get([slot.actor.__ray_call__.remote(shorter) for slot in cluster._replicas])
     before = cluster.status()
     broken = cluster.trace(max_tokens=2)
     broken.invoke("Broken", program=breaks_reporting)
