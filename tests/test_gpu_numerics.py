@@ -5,7 +5,8 @@
   (workers/interleaver.py, ``Interleaver.finish``). The same check runs on CPUs in
   tests/test_interventions.py.
 - ``dtype: float32`` computes in float32: residuals and logits within 1e-4 (relative to their
-  largest value) of transformers float32 on the same weights. vLLM's float32 attention on Hopper
+  largest value) of transformers float32 on the same weights, also while a neighbour's program
+  switches on TF32 for itself. vLLM's float32 attention on Hopper
   is its Triton kernel, whose dots ran in TF32 (1.5e-3 off) until interlace set
   ``TRITON_F32_DEFAULT=ieee`` in its workers (workers/plugin.py, ``float32_dots_in_float32``).
 
@@ -53,7 +54,23 @@ def test_saved_steps_are_the_returned_tokens_when_invokes_stop_at_eos(engine, or
 
 
 def test_float32_residuals_and_logits_match_transformers(engine, oracles):
-    oracle = oracles["tiny-llama"]
+    _check_float32(engine, oracles["tiny-llama"])
+
+
+def _sets_tf32(m):
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # TF32 matmuls: about 1e-3 off float32
+    m.layers[0].resid
+    m.save("tf32", torch.backends.cuda.matmul.fp32_precision == "tf32")
+
+
+def test_a_programs_tf32_is_its_own_and_its_neighbours_stay_float32(engine, oracles):
+    """torch's matmul precision is the process's: a program that switched on TF32 made every
+    later matmul of the engine TF32, everyone's (program_settings.py). Its neighbour in the batch
+    still matches transformers float32, and the program keeps its own setting across its read."""
+    _check_float32(engine, oracles["tiny-llama"], neighbour=_sets_tf32)
+
+
+def _check_float32(engine, oracle, neighbour=None) -> None:
     ids = oracle.ids(PROMPT)
     n_layers = len(oracle.layers)
 
@@ -62,7 +79,13 @@ def test_float32_residuals_and_logits_match_transformers(engine, oracles):
             m.save(f"resid{i}", m.layers[i].resid)
         m.save("logits", m.logits)
 
-    out = engine.generate(ids, program=save_all, max_tokens=4, ignore_eos=True)
+    with engine.trace(max_tokens=4, ignore_eos=True) as tr:
+        if neighbour is not None:
+            tr.invoke(oracle.ids("A neighbour of its own"), program=neighbour)
+        tr.invoke(ids, program=save_all)
+    out = tr.result[-1]
+    if neighbour is not None:
+        assert tr.result[0].saves["tf32"] == [True] * 4
     seq = ids + out.token_ids[:-1]
     expected = oracle.run(seq)
     pairs = {f"resid{i}": (out.saves[f"resid{i}"], expected["resid"][i]) for i in range(n_layers)}
