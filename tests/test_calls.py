@@ -8,6 +8,7 @@ test) keeps running Python between calls: an interruption landing there would ra
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -368,19 +369,21 @@ def _numerics() -> tuple:
     """What the test below changes: torch's numerics settings, as torch's public API reads them."""
     return (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+            torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            gc.isenabled(), gc.get_threshold())
 
 
-def test_a_programs_numerics_settings_are_its_own_and_the_engine_keeps_its_own():
-    """program_settings.keep_process_state_apart: torch's numerics settings are the process's (a
-    program's TF32 or bf16 matmuls, or deterministic algorithms, were every user's until the engine
-    ended); a program that sets them keeps them across its waits, the engine runs with its own in
+def test_a_programs_numerics_and_gc_settings_are_its_own_and_the_engine_keeps_its_own():
+    """program_settings.keep_process_state_apart: torch's numerics settings and the garbage
+    collector's are the process's (a program's TF32 or bf16 matmuls, deterministic algorithms or
+    ``gc.disable()`` were every user's until the engine ended); a program that sets them keeps them across its waits, the engine runs with its own in
     between, and a program stopped at a wait leaves the engine's."""
     from interlace.workers import program_settings
 
     program_settings.keep_process_state_apart(calls.WATCHDOG)
     engine = _numerics()
-    changed = ("bf16", "ieee" if engine[1] == "tf32" else "tf32", True, True, not engine[4], not engine[5])
+    changed = ("bf16", "ieee" if engine[1] == "tf32" else "tf32", True, True, not engine[4], not engine[5], False,
+               (12345, 10, 10))
     seen = []
 
     def program(m):
@@ -389,6 +392,8 @@ def test_a_programs_numerics_settings_are_its_own_and_the_engine_keeps_its_own()
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = not engine[4]  # (a property that kept torch._C's setter as it was)
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not engine[5]
+        gc.disable()  # (the process's too)
+        gc.set_threshold(12345, 10, 10)
         m.call.wait_at(Point("model.layers.0", "resid"))
         seen.append(_numerics())
         m.call.wait_at(Point("model.layers.1", "resid"))

@@ -207,8 +207,10 @@ def test_a_program_that_seeds_torch_draws_its_own_stream_and_sampling_stays_rand
 def _numerics() -> list:
     # (torch.backends.cudnn and .mkldnn are module objects of their own class: a program naming
     # them could not be pickled until the driver's pickler sent such modules by name)
+    import gc
+
     return [torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
-            torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark]
+            torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark, gc.isenabled()]
 
 
 def _reads_numerics(m):
@@ -217,30 +219,33 @@ def _reads_numerics(m):
 
 
 def _sets_numerics(m):
+    import gc
+
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     torch.set_float32_matmul_precision("medium")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = True
+    gc.disable()
     m.layers[0].resid  # a hand-over: the engine's settings run the forward pass until the program resumes
     m.save("numerics", _numerics())
 
 
 def test_a_programs_numerics_settings_are_its_own(llama, oracles):
-    """torch's numerics settings are the process's: a program's TF32 or bf16 float32 matmuls, or
-    deterministic algorithms (which make kernels without a deterministic version raise), were
-    every user's until the engine ended. Now they are the program's own across its reads; its
+    """torch's numerics settings are the process's: a program's TF32 or bf16 float32 matmuls,
+    deterministic algorithms (which make kernels without a deterministic version raise) or
+    ``gc.disable()`` were every user's until the engine ended. Now they are the program's own across its reads; its
     neighbours, the engine and the next trace run with the engine's."""
     oracle = oracles["tiny-llama"]
     prompts = [_prompt(oracle, "Numerics of my own"), _prompt(oracle, "A neighbour reads")]
     with llama.trace(max_tokens=3, ignore_eos=True) as tr:
         tr.invoke(prompts[1], program=_reads_numerics)
     engine = tr.result[0].saves["numerics"][0]  # (a list a step)
-    assert engine[0] != "bf16" and engine[2:] == [False, False]
+    assert engine[0] != "bf16" and engine[2:] == [False, False, True]
     with llama.trace(max_tokens=3, ignore_eos=True) as tr:
         tr.invoke(prompts[0], program=_sets_numerics)
         tr.invoke(prompts[1], program=_reads_numerics)
     mine, neighbour = tr.result
-    assert mine.saves["numerics"] == [["bf16", "tf32", True, True]] * 3, "the program lost its own settings"
+    assert mine.saves["numerics"] == [["bf16", "tf32", True, True, False]] * 3, "the program lost its own settings"
     assert neighbour.saves["numerics"] == [engine] * 3, "a neighbour ran with another program's numerics"
     assert [r.token_ids for r in tr.result] == [oracle.greedy(p, 3) for p in prompts]
     with llama.trace(max_tokens=3, ignore_eos=True) as tr:

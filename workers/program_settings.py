@@ -16,7 +16,8 @@ its seeded stream. So are its numerics settings: float32 matmul precision (TF32 
 on oneDNN), deterministic algorithms, reduced-precision reductions, cuDNN's flags. One set by a
 program changed every user's arithmetic for the engine's life (a float32 model is float32 on GPUs
 only while matmuls stay IEEE: docs/guide.md), or made kernels without a deterministic version
-raise in everyone's forward pass.
+raise in everyone's forward pass. And so is Python's garbage collector: ``gc.disable()`` in a
+program left a long-running engine never collecting cycles.
 
 So each program's settings are its own, as a thread's would be. Where a program hands control
 back to the engine (it waits at a point, or ends), what it changed is set aside and the engine's
@@ -28,7 +29,8 @@ These process-wide settings become a program's own once it changes one (the func
 :func:`keep_process_state_apart` wraps: ``torch.manual_seed``, ``torch.cuda.manual_seed``,
 ``torch.set_rng_state``..., transformers' ``set_seed`` calls them too; and every setter of the
 numerics settings, ``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32
-= ...``, ``torch.use_deterministic_algorithms``...): the engine's are read then, and are put back
+= ...``, ``torch.use_deterministic_algorithms``...; ``gc.disable``, ``gc.enable``,
+``gc.set_threshold``): the engine's are read then, and are put back
 at every hand-over while the program's wait for it. Reading them at every hand-over would cost a
 program per invoke several us a switch; a change costs nothing until a program makes one. A
 program that draws without seeding draws from the engine's stream, as the engine's sampling does:
@@ -43,6 +45,7 @@ and ``torch.set_flush_denormal`` (torch cannot read it back).
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import sys
 from typing import Any, Callable, NamedTuple
@@ -258,7 +261,8 @@ _FP32_PRECISIONS = [(backend, op) for backend in ("generic", "cuda", "cudnn", "m
 
 
 def _numerics() -> list[tuple[Callable[[], Any], Callable[[Any], Any]]]:
-    """(read, write) of each numerics setting this torch has, the writes torch's own (unwrapped).
+    """(read, write) of each numerics setting this torch has, and of the garbage collector's, the
+    writes torch's and gc's own (unwrapped).
     float32 matmul precision is read per backend: the legacy reading
     (``torch.get_float32_matmul_precision``) raises once the two APIs were mixed, and follows these."""
     C = torch._C
@@ -273,6 +277,9 @@ def _numerics() -> list[tuple[Callable[[], Any], Callable[[Any], Any]]]:
     set_deterministic = C._set_deterministic_algorithms
     knobs.append((lambda: (C._get_deterministic_algorithms(), C._get_deterministic_algorithms_warn_only()),
                   lambda value: set_deterministic(value[0], warn_only=value[1])))
+    enable, disable, set_threshold = gc.enable, gc.disable, gc.set_threshold
+    knobs.append((gc.isenabled, lambda on: enable() if on else disable()))
+    knobs.append((gc.get_threshold, lambda value: set_threshold(*value)))
     for name in _FLAGS:
         read, write = getattr(C, f"_get_{name}", None), getattr(C, f"_set_{name}", None)
         if read is None or write is None:
@@ -300,6 +307,8 @@ def keep_process_state_apart(watchdog: Any) -> None:
     for name in (*_PRECISION_SETTERS, "_set_deterministic_algorithms", *(f"_set_{name}" for name in _FLAGS)):
         _before(torch._C, name, engine_state_first)
     _before(ContextProp, "__set__", engine_state_first)  # torch.backends.cudnn's kept torch._C's setters as they were
+    for name in ("enable", "disable", "set_threshold"):
+        _before(gc, name, engine_state_first)
 
 
 # The process's resource limits are everyone's: a program that lowered the open-file limit left the
