@@ -358,6 +358,35 @@ def test_a_program_may_not_change_the_engines_resource_limits(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_a_program_may_not_set_the_engines_signals(llama, oracles):
+    """Signal handlers, masks and timers are the process's: a program's ``signal.alarm(2)`` ended
+    the engine two seconds after the program returned, failing the traces then in flight."""
+
+    def alarms(m):
+        import signal
+
+        signal.alarm(2)
+        m.save("h", m.layers[0].resid)
+
+    def ignores_sigterm(m):
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def reads_a_handler(m):
+        import signal
+
+        m.save("handler", str(signal.getsignal(signal.SIGTERM)))
+
+    for program in (alarms, ignores_sigterm):
+        with pytest.raises(interlace.InterventionError, match=r"signal handlers, masks and timers .* cannot run "
+                                                              r"inside the engine"):
+            llama.generate(PROMPT, program=program, max_tokens=2)
+    assert llama.generate(PROMPT, program=reads_a_handler).saves["handler"]
+    time.sleep(2.5)  # past the alarm the first program asked for
+    _still_serves(llama, oracles)
+
+
 def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(llama, oracles):
     """A worker that dies (here a program kills its own process, as a crashing C extension or the
     kernel's out-of-memory killer would) fails the trace it was running with a clear error, and

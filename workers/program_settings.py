@@ -328,8 +328,29 @@ def refuse_resource_limits(watchdog: Any) -> None:
     _before(resource, "prlimit", lambda *args: len(args) < 3 or refuse())  # (reading one is allowed)
 
 
+# Signal handlers, masks and timers are the process's too: a program's ``signal.alarm(2)`` ended the
+# engine two seconds later, long after the program returned, failing every trace then in flight
+# and blaming none (2-core CPU, tiny-llama).
+_SIGNALS_REFUSED = ("signal handlers, masks and timers (signal.signal, signal.alarm, signal.setitimer, "
+                    "signal.pthread_sigmask...) cannot run inside the engine: its process and its signals are "
+                    "every user's traces' (an alarm would end the engine later, under others' traces). A trace's "
+                    "own time limit is its timeout_s")
+
+
+def refuse_signals(watchdog: Any) -> None:
+    """Make the ``signal`` module's functions that set a handler, a mask, a timer or send a
+    signal raise when a program's code calls them (reading, ``signal.getsignal``, is allowed)."""
+    import signal
+
+    refuse = _refuser(watchdog, _SIGNALS_REFUSED)
+    for name in ("signal", "alarm", "setitimer", "siginterrupt", "set_wakeup_fd", "pthread_sigmask", "pthread_kill",
+                 "raise_signal"):
+        _before(signal, name, lambda *_: refuse())
+
+
 def install(watchdog: Any) -> None:
     """What a program may not set, and the process's state it may change for itself: once per process."""
     refuse_profilers(watchdog)
     refuse_resource_limits(watchdog)
+    refuse_signals(watchdog)
     keep_process_state_apart(watchdog)
