@@ -387,6 +387,33 @@ def test_a_program_may_not_set_the_engines_signals(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_a_program_may_not_fork_the_engine_or_change_its_priority_or_cores(llama, oracles):
+    """The engine's process is every user's: a program's os.fork() left copies of the engine's
+    worker running after the engine closed, and a lower priority or fewer cores slow everyone."""
+
+    def forks(m):
+        import os
+
+        os.fork()
+
+    def pins_one_core(m):
+        import os
+
+        os.sched_setaffinity(0, {0})
+
+    def reads_its_cores(m):
+        import os
+
+        m.save("cores", len(os.sched_getaffinity(0)))
+
+    cores = llama.generate(PROMPT, program=reads_its_cores).saves["cores"]
+    for program, name in ((forks, "os.fork"), (pins_one_core, "os.sched_setaffinity")):
+        with pytest.raises(interlace.InterventionError, match=rf"{name} cannot run inside the engine"):
+            llama.generate(PROMPT, program=program, max_tokens=2)
+    assert llama.generate(PROMPT, program=reads_its_cores).saves["cores"] == cores
+    _still_serves(llama, oracles)
+
+
 def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(llama, oracles):
     """A worker that dies (here a program kills its own process, as a crashing C extension or the
     kernel's out-of-memory killer would) fails the trace it was running with a clear error, and

@@ -348,9 +348,30 @@ def refuse_signals(watchdog: Any) -> None:
         _before(signal, name, lambda *_: refuse())
 
 
+# The process itself is everyone's too (a probe on the 2-core CPU): a program's os.fork() left copies of
+# the engine's worker running after the engine was closed (on a GPU, holding its memory), and
+# os.nice or os.sched_setaffinity would slow every user's traces for the engine's life.
+_PROCESS_REFUSED = ("{name} cannot run inside the engine: its process is every user's traces' (a forked copy of "
+                    "the engine's worker outlives it; its priority, scheduling and cores are everyone's). Run "
+                    "other programs with subprocess")
+_PROCESS_CONTROLS = ("fork", "forkpty", "nice", "setpriority", "sched_setaffinity", "sched_setscheduler",
+                     "sched_setparam", "setsid", "setpgrp", "setpgid")
+
+
+def refuse_process_controls(watchdog: Any) -> None:
+    """Make ``os.fork`` and the functions that change the process's priority, scheduling, cores
+    or process group raise when a program's code calls them."""
+    import os
+
+    for name in _PROCESS_CONTROLS:
+        refuse = _refuser(watchdog, _PROCESS_REFUSED.format(name=f"os.{name}"))
+        _before(os, name, lambda *_args, refuse=refuse: refuse())
+
+
 def install(watchdog: Any) -> None:
     """What a program may not set, and the process's state it may change for itself: once per process."""
     refuse_profilers(watchdog)
     refuse_resource_limits(watchdog)
     refuse_signals(watchdog)
+    refuse_process_controls(watchdog)
     keep_process_state_apart(watchdog)
