@@ -414,6 +414,41 @@ def test_a_program_may_not_fork_the_engine_or_change_its_priority_or_cores(llama
     _still_serves(llama, oracles)
 
 
+def test_a_thread_a_program_leaves_running_is_stopped_and_fails_it(llama, oracles):
+    """A thread runs on in the engine's process after the program that started it: one left
+    spinning slowed every later trace 10x (2-core CPU). Threads a program joins are its own
+    business; one still running as the program ends is stopped, and the program fails saying so."""
+
+    def pools(m):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:  # joined as the block ends
+            m.save("sum", sum(pool.map(abs, [-1, 2])))
+
+    def spins_on(m):
+        import threading
+
+        def spin():
+            while True:
+                pass
+
+        threading.Thread(target=spin, name="left-spinning", daemon=True).start()
+        m.save("h", m.layers[0].resid)
+
+    def threads(m):
+        import threading
+
+        m.save("names", [t.name for t in threading.enumerate()])
+
+    assert llama.generate(PROMPT, program=pools).saves["sum"] == 3
+    with pytest.raises(interlace.InterventionError, match=r"left 1 thread\(s\) it started running \(left-spinning\) "
+                                                          r"as it ended: interlace stopped them"):
+        llama.generate(PROMPT, program=spins_on, max_tokens=2)
+    time.sleep(0.5)
+    assert "left-spinning" not in llama.generate(PROMPT, program=threads).saves["names"]
+    _still_serves(llama, oracles)
+
+
 def test_a_dead_worker_fails_its_trace_and_the_engine_starts_afresh(llama, oracles):
     """A worker that dies (here a program kills its own process, as a crashing C extension or the
     kernel's out-of-memory killer would) fails the trace it was running with a clear error, and

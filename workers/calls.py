@@ -171,6 +171,7 @@ class ProgramCall:
         # them when it last switched in: the program puts them back whenever it hands control back
         self._engine_settings: tuple | None = None  # a program_settings.Settings
         self.printed: Printed | None = None  # what the program wrote to stdout or stderr this step (printed.py)
+        self.threads: list = []  # threads the program started this step (program_settings.stop_threads)
 
     def again(self, budget_s: float) -> None:
         """The same program over the same invokes one step on, within an epoch (the interleaver
@@ -232,6 +233,11 @@ class ProgramCall:
         """The program returned, failed or was stopped: it waits for nothing more this step."""
         self.waiting_for = FINISHED
         self.done = True
+        if self.threads:
+            left = program_settings.stop_threads(self.threads)
+            self.threads = []
+            if left is not None:
+                self.error = self.error or error_record(RuntimeError(left), where=self.view.where())
 
     @property
     def running(self) -> bool:

@@ -360,12 +360,40 @@ _PROCESS_CONTROLS = ("fork", "forkpty", "nice", "setpriority", "sched_setaffinit
 
 def refuse_process_controls(watchdog: Any) -> None:
     """Make ``os.fork`` and the functions that change the process's priority, scheduling, cores
-    or process group raise when a program's code calls them."""
+    or process group raise when a program's code calls them; and have ``threading.Thread.start``
+    record the threads a program starts, which :func:`stop_threads` stops at its end if they
+    still run (a spinning one left running slowed every later trace 10x, 2-core CPU)."""
     import os
+    import threading
 
     for name in _PROCESS_CONTROLS:
         refuse = _refuser(watchdog, _PROCESS_REFUSED.format(name=f"os.{name}"))
         _before(os, name, lambda *_args, refuse=refuse: refuse())
+
+    def record_the_programs(thread: threading.Thread, *_args) -> None:
+        # (interlace starts its own threads lazily, from whatever runs first: the watchdog's as a
+        # program is entered, the reporter's at a first report, the unmapper's from a finalizer)
+        call = watchdog.running()
+        if call is not None and not sys._getframe(2).f_globals.get("__name__", "").startswith("interlace."):
+            call.threads.append(thread)
+
+    _before(threading.Thread, "start", record_the_programs)
+
+
+def stop_threads(threads: list) -> str | None:
+    """At its program's end: stop the threads it started that still run (SystemExit raised in
+    each at its next bytecode, which ends a thread quietly), and say why the program fails."""
+    from interlace.workers.watchdog import _raise_in
+
+    running = [thread for thread in threads if thread.is_alive()]
+    for thread in running:
+        _raise_in(thread.ident, SystemExit)
+    if not running:
+        return None
+    return (f"the program left {len(running)} thread(s) it started running ({', '.join(t.name for t in running)}) "
+            "as it ended: interlace stopped them (a thread runs on in the engine's process, beyond the trace's "
+            "time limit, beside every user's traces). Join the threads a program starts before it returns "
+            "(`with ThreadPoolExecutor() as pool:` does)")
 
 
 def install(watchdog: Any) -> None:
