@@ -54,6 +54,8 @@ import torch
 from torch.utils import _device
 from torch.utils import _python_dispatch
 
+from interlace.workers.watchdog import raise_in
+
 _grad = torch.is_grad_enabled
 _dtype = torch.get_default_dtype
 _threads = torch.get_num_threads
@@ -383,11 +385,9 @@ def refuse_process_controls(watchdog: Any) -> None:
 def stop_threads(threads: list) -> str | None:
     """At its program's end: stop the threads it started that still run (SystemExit raised in
     each at its next bytecode, which ends a thread quietly), and say why the program fails."""
-    from interlace.workers.watchdog import _raise_in
-
     running = [thread for thread in threads if thread.is_alive()]
     for thread in running:
-        _raise_in(thread.ident, SystemExit)
+        raise_in(thread.ident, SystemExit)
     if not running:
         return None
     return (f"the program left {len(running)} thread(s) it started running ({', '.join(t.name for t in running)}) "

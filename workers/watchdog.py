@@ -69,7 +69,7 @@ class Watchdog:
             if self._running.get(thread) is call:
                 self._running[thread] = None
                 if call.timed_out:
-                    _raise_in(thread, None)  # nothing pending once the program is out
+                    raise_in(thread, None)  # nothing pending once the program is out
 
     def _loop(self) -> None:
         while True:
@@ -83,7 +83,7 @@ class Watchdog:
                         _end_process(call, now - call.deadline)
                     if now > call.deadline and call.running:
                         call.timed_out = True
-                        _raise_in(thread, self.interrupt)
+                        raise_in(thread, self.interrupt)
 
 
 def _end_process(call: "ProgramCall", late_s: float) -> None:
@@ -117,7 +117,7 @@ def _end_process(call: "ProgramCall", late_s: float) -> None:
         os._exit(EXIT_CODE)
 
 
-def _raise_in(thread_id: int, exc_type: type[BaseException] | None) -> None:
+def raise_in(thread_id: int, exc_type: type[BaseException] | None) -> None:
     """Raise ``exc_type`` in thread ``thread_id`` at its next bytecode (None: clear a pending one)."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
                                                ctypes.py_object(exc_type) if exc_type else ctypes.c_void_p(None))
