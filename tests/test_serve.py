@@ -361,6 +361,11 @@ def test_a_killed_state_actor_is_started_again_and_the_endpoint_keeps_serving(en
     pid = ray.get(host.actor.remote().result().ping.remote())
     os.kill(pid, signal.SIGKILL)  # the state actor (quotas, results, metrics), by pid
     psutil.wait_procs([psutil.Process(pid)], timeout=30)
+    # Its callers (the ingress, the engine replicas) find it dead at once: one new actor for all,
+    # none killed by another's restart.
+    asking = [host.actor.remote(), host.actor.remote()]
+    first, second = (asked.result() for asked in asking)
+    assert ray.get(first.ping.remote()) == ray.get(second.ping.remote()) != pid
     assert_same(script_ops(analyst), script_ops(llama))  # the ingress reached a new state actor
     assert ray.get(host.actor.remote().result().ping.remote()) != pid
     after = _scrape(endpoint)  # counted afresh, as by any restarted Prometheus target

@@ -138,6 +138,7 @@ class StateHost:
     def __init__(self, max_results: int = 1024, results_ttl_s: float = 3600.0):
         self._args = (max_results, results_ttl_s)
         self._actor = self._start()
+        self._answered = None  # the last actor that answered a ping
 
     def _start(self):
         import ray
@@ -149,11 +150,18 @@ class StateHost:
     async def actor(self):
         import ray
 
+        actor = self._actor
         try:
-            await asyncio.wait_for(self._actor.ping.remote(), 10.0)
+            # A new actor's first answer waits for its worker process to start: longer under load.
+            await asyncio.wait_for(actor.ping.remote(), 10.0 if actor is self._answered else 60.0)
+            self._answered = actor
         except (ray.exceptions.RayActorError, asyncio.TimeoutError):
-            ray.kill(self._actor)  # if only unreachable for now: callers must not find two states
-            self._actor = self._start()
+            # Callers asking at once (the ingress and the engine replicas after a state died) all
+            # find the dead actor: the first replaces it and the others take the replacement, which
+            # they must not kill in turn.
+            if self._actor is actor:
+                ray.kill(actor)  # if only unreachable for now: callers must not find two states
+                self._actor = self._start()
         return self._actor
 
 
