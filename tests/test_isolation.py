@@ -254,6 +254,43 @@ def test_a_programs_numerics_settings_are_its_own(llama, oracles):
     _next_trace_is_exact(llama, oracle)
 
 
+def _reads_stream(m):
+    m.layers[1].resid
+    m.save("stream", torch.cuda.current_stream().cuda_stream)
+
+
+def _sets_streams(m):
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # a read inside: the forward pass goes on on the engine's stream
+        m.layers[0].resid
+        m.save("inside", torch.cuda.current_stream().cuda_stream == side.cuda_stream)
+    torch.cuda.set_stream(side)  # and one left set as the program ends
+
+
+@pytest.mark.gpu
+def test_a_programs_cuda_stream_is_its_own(llama, oracles):
+    """The current CUDA stream is the engine thread's: a program that read the model inside ``with
+    torch.cuda.stream(side):`` had the rest of everyone's forward pass launched on its stream,
+    unordered with the engine's. Now its stream holds in its code across its reads, and the
+    engine, its neighbours and the next trace run on the engine's."""
+    oracle = oracles["tiny-llama"]
+    prompts = [_prompt(oracle, "A stream of my own"), _prompt(oracle, "A neighbour reads")]
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+        tr.invoke(prompts[1], program=_reads_stream)
+    engine = tr.result[0].saves["stream"]
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+        tr.invoke(prompts[0], program=_sets_streams)
+        tr.invoke(prompts[1], program=_reads_stream)
+    mine, neighbour = tr.result
+    assert mine.saves["inside"] == [True] * 3, "the program lost its own stream across its read"
+    assert neighbour.saves["stream"] == engine, "the forward pass ran on a program's stream"
+    assert [r.token_ids for r in tr.result] == [oracle.greedy(p, 3) for p in prompts]
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+        tr.invoke(prompts[1], program=_reads_stream)
+    assert tr.result[0].saves["stream"] == engine
+    _next_trace_is_exact(llama, oracle)
+
+
 def test_engine_settings_that_skip_hooks_are_refused_before_an_engine_starts():
     from interlace.cluster.config import ModelConfig
     from interlace.cluster.engine import engine_args

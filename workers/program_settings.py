@@ -17,7 +17,9 @@ on oneDNN), deterministic algorithms, reduced-precision reductions, cuDNN's flag
 program changed every user's arithmetic for the engine's life (a float32 model is float32 on GPUs
 only while matmuls stay IEEE: docs/guide.md), or made kernels without a deterministic version
 raise in everyone's forward pass. And so is Python's garbage collector: ``gc.disable()`` in a
-program left a long-running engine never collecting cycles.
+program left a long-running engine never collecting cycles. The current CUDA device and stream are
+the engine thread's: a program that read the model inside ``with torch.cuda.stream(side):`` had
+the rest of everyone's forward pass launched on its stream.
 
 So each program's settings are its own, as a thread's would be. Where a program hands control
 back to the engine (it waits at a point, or ends), what it changed is set aside and the engine's
@@ -30,7 +32,8 @@ These process-wide settings become a program's own once it changes one (the func
 ``torch.set_rng_state``..., transformers' ``set_seed`` calls them too; and every setter of the
 numerics settings, ``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32
 = ...``, ``torch.use_deterministic_algorithms``...; ``gc.disable``, ``gc.enable``,
-``gc.set_threshold``): the engine's are read then, and are put back
+``gc.set_threshold``; torch.cuda's and torch.accelerator's device and stream setters and
+``torch.cuda.Stream``'s ``with``): the engine's are read then, and are put back
 at every hand-over while the program's wait for it. Reading them at every hand-over would cost a
 program per invoke several us a switch; a change costs nothing until a program makes one. A
 program that draws without seeding draws from the engine's stream, as the engine's sampling does:
@@ -258,6 +261,15 @@ _FLAGS = ("cublas_allow_fp16_reduced_precision_reduction", "cublas_allow_bf16_re
 _PRECISION_SETTERS = ("_set_fp32_precision_setter", "_set_float32_matmul_precision", "_set_cublas_allow_tf32",
                       "_set_cudnn_allow_tf32", "_set_onednn_allow_tf32")
 _UNREAD = object()  # a setting torch would not read back: left as it is
+# Where torch sets the current CUDA device and stream (torch.cuda.set_device, ``with
+# torch.cuda.device(i):``, torch.cuda.set_stream, ``with torch.cuda.stream(s):``, torch.accelerator's
+# the same). They are the engine thread's, which programs run on: a program that read the model with
+# a side stream set ran the rest of everyone's forward pass on it, unordered with the engine's
+# stream (the next graph piece's replay too), and one left on another device had the engine
+# allocate there.
+_CUDA_SETTERS = ("_cuda_setStream", "_cuda_setDevice", "_cuda_exchangeDevice", "_cuda_maybeExchangeDevice",
+                 "_accelerator_setStream", "_accelerator_setDeviceIndex", "_accelerator_exchangeDevice",
+                 "_accelerator_maybeExchangeDevice")
 _FP32_PRECISIONS = [(backend, op) for backend in ("generic", "cuda", "cudnn", "mkldnn")
                     for op in ("all", "matmul", "conv", "rnn")]  # those this torch knows (install)
 
@@ -287,6 +299,12 @@ def _numerics() -> list[tuple[Callable[[], Any], Callable[[Any], Any]]]:
         if read is None or write is None:
             continue
         knobs.append((read, lambda value, write=write: write(*value) if isinstance(value, tuple) else write(value)))
+    if getattr(C, "_cuda_setStream", None) is not None and torch.cuda.is_available():
+        # The current CUDA device and stream (the device first: a stream is set on its own device)
+        get_device, set_device, set_stream = C._cuda_getDevice, C._cuda_setDevice, C._cuda_setStream
+        knobs.append((get_device, set_device))
+        knobs.append((lambda: C._cuda_getCurrentStream(get_device()),
+                      lambda s: set_stream(stream_id=s[0], device_index=s[1], device_type=s[2])))
     return knobs
 
 
@@ -311,6 +329,9 @@ def keep_process_state_apart(watchdog: Any) -> None:
     _before(ContextProp, "__set__", engine_state_first)  # torch.backends.cudnn's kept torch._C's setters as they were
     for name in ("enable", "disable", "set_threshold"):
         _before(gc, name, engine_state_first)
+    for name in _CUDA_SETTERS:
+        _before(torch._C, name, engine_state_first)
+    _before(torch.cuda.Stream, "__enter__", engine_state_first)  # ``with stream:`` sets it in C
 
 
 # The process's resource limits are everyone's: a program that lowered the open-file limit left the
