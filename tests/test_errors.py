@@ -417,7 +417,10 @@ def test_a_program_may_not_fork_the_engine_or_change_its_priority_or_cores(llama
 def test_a_thread_a_program_leaves_running_is_stopped_and_fails_it(llama, oracles):
     """A thread runs on in the engine's process after the program that started it: one left
     spinning slowed every later trace 10x (2-core CPU). Threads a program joins are its own
-    business; one still running as the program ends is stopped, and the program fails saying so."""
+    business; one still running as the program ends is stopped, and the program fails saying so.
+    A library's own threads (a thread pool's worker, tqdm's monitor) are the library's: stopping
+    them failed the program (``torch.compile`` in a program, through tqdm's monitor) and left a
+    pool that never ran a task again."""
 
     def pools(m):
         from concurrent.futures import ThreadPoolExecutor
@@ -440,7 +443,14 @@ def test_a_thread_a_program_leaves_running_is_stopped_and_fails_it(llama, oracle
 
         m.save("names", [t.name for t in threading.enumerate()])
 
+    def leaves_a_pool(m):
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="left-idle")  # its worker is the library's
+        m.save("one", pool.submit(abs, -1).result())
+
     assert llama.generate(PROMPT, program=pools).saves["sum"] == 3
+    assert llama.generate(PROMPT, program=leaves_a_pool).saves["one"] == 1
     with pytest.raises(interlace.InterventionError, match=r"left 1 thread\(s\) it started running \(left-spinning\) "
                                                           r"as it ended: interlace stopped them"):
         llama.generate(PROMPT, program=spins_on, max_tokens=2)

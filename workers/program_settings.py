@@ -384,8 +384,8 @@ _PROCESS_CONTROLS = ("fork", "forkpty", "nice", "setpriority", "sched_setaffinit
 def refuse_process_controls(watchdog: Any) -> None:
     """Make ``os.fork`` and the functions that change the process's priority, scheduling, cores
     or process group raise when a program's code calls them; and have ``threading.Thread.start``
-    record the threads a program starts, which :func:`stop_threads` stops at its end if they
-    still run (a spinning one left running slowed every later trace 10x, 2-core CPU)."""
+    record the threads a program's own code starts, which :func:`stop_threads` stops at its end
+    if they still run (a spinning one left running slowed every later trace 10x, 2-core CPU)."""
     import os
     import threading
 
@@ -394,13 +394,23 @@ def refuse_process_controls(watchdog: Any) -> None:
         _before(os, name, lambda *_args, refuse=refuse: refuse())
 
     def record_the_programs(thread: threading.Thread, *_args) -> None:
-        # (interlace starts its own threads lazily, from whatever runs first: the watchdog's as a
-        # program is entered, the reporter's at a first report, the unmapper's from a finalizer)
+        # Only threads the program's own code starts: a library's helper threads, started lazily
+        # from whatever uses it first, are long-lived by design and the library's (tqdm's monitor,
+        # torch.compile's and any ThreadPoolExecutor's workers: a pool whose worker was stopped
+        # never ran a task again). interlace's own are started alike (the watchdog's as a program
+        # is entered, the reporter's at a first report, the unmapper's from a finalizer).
         call = watchdog.running()
-        if call is not None and not sys._getframe(2).f_globals.get("__name__", "").startswith("interlace."):
+        if call is not None and _shipped(sys._getframe(2).f_globals):
             call.threads.append(thread)
 
     _before(threading.Thread, "start", record_the_programs)
+
+
+def _shipped(code_globals: dict) -> bool:
+    """Whether code runs with these globals because a program shipped it (cloudpickle gives code
+    sent by value globals of its own), not from a module this process imported."""
+    module = sys.modules.get(code_globals.get("__name__", ""))
+    return module is None or module.__dict__ is not code_globals
 
 
 def stop_threads(threads: list) -> str | None:
