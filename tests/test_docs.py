@@ -13,6 +13,8 @@ import io
 import re
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 # Blocks that start engines of their own (their content runs in tests/test_parallel.py and, for a
 # compiled GPU engine with graph taps, tests/test_taps.py).
@@ -62,3 +64,8 @@ def test_guide_examples_run(llama):
     assert heads.saves["v"].shape[-1] == 64 and heads.saves["unembed_row"].shape == (128,)
     carried = llama.generate("Hello", program=namespace["carry_forward"], max_tokens=2)
     assert len(carried.token_ids) == 2
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:  # each invoke's own "first" (Programs)
+        tr.invoke("Hello", program=namespace["relative_norm"])
+        tr.invoke("A longer prompt than that one", program=namespace["relative_norm"])
+    solo = llama.generate("Hello", program=namespace["relative_norm"], max_tokens=3, ignore_eos=True)
+    assert torch.allclose(torch.as_tensor(tr.result[0].saves["ratio"]), torch.as_tensor(solo.saves["ratio"]), rtol=1e-4)

@@ -254,6 +254,43 @@ def test_a_programs_numerics_settings_are_its_own(llama, oracles):
     _next_trace_is_exact(llama, oracle)
 
 
+def test_each_invoke_runs_its_own_copy_of_its_program(llama, oracles):
+    """What a program keeps across its steps (a captured dict, a small captured tensor it adds to)
+    is its invoke's: invokes of one trace that pass the same function each counted the others'
+    steps too (1, 3, 5 and 2, 4, 6), which a cluster that splits the trace over replicas would
+    not, and equal bytes in another trace met the same objects. A batched program is one call
+    for its trace's invokes: one copy per trace. Large captured tensors stay one per engine."""
+    oracle = oracles["tiny-llama"]
+    prompts = [_prompt(oracle, "Count my own steps"), _prompt(oracle, "And mine")]
+    state = {"steps": 0}
+    small = torch.zeros(1)
+    large = torch.zeros(2**19)  # 2 MiB: weights, shared
+
+    def counts(m):
+        state["steps"] += 1
+        small.add_(1)
+        m.save("counted", [state["steps"], small.item(), large.data_ptr()])
+
+    @interlace.batched
+    def counts_together(m):
+        state["steps"] += 1
+        m.save("counted", state["steps"])  # (a value not of rows: each invoke gets it whole)
+
+    for _ in range(2):  # the second trace sends the same bytes
+        with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+            for prompt in prompts:
+                tr.invoke(prompt, program=counts)
+        counted = [r.saves["counted"] for r in tr.result]
+        assert [[c[:2] for c in each] for each in counted] == [[[1, 1.0], [2, 2.0], [3, 3.0]]] * 2
+        assert len({c[2] for each in counted for c in each}) == 1, "a large captured tensor was copied"
+        with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+            for prompt in prompts:
+                tr.invoke(prompt, program=counts_together)
+        assert [r.saves["counted"] for r in tr.result] == [[1, 2, 3]] * 2
+    assert state == {"steps": 0} and small.item() == 0  # (the driver's own objects never moved)
+    _next_trace_is_exact(llama, oracle)
+
+
 def _reads_stream(m):
     m.layers[1].resid
     m.save("stream", torch.cuda.current_stream().cuda_stream)

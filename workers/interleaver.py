@@ -24,6 +24,7 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 from typing import Any, Callable
@@ -43,6 +44,7 @@ from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ModuleTree, Rows
 from interlace.workers.printed import capture as capture_printed
 from interlace.workers import program_settings
+from interlace.workers.program_copies import ProgramCopies
 from interlace.workers.program_services import ProgramServices
 from interlace.workers.prologue import prologue_of
 from interlace.workers.reporter import Reporter
@@ -99,8 +101,12 @@ class Interleaver(ProgramServices):
         self.piece_steps = 0  # steps whose programs and ops ran at the taps (between graph pieces)
         self._said_untapped = False
         self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
-        self._programs: dict[str, Any] = {}  # program key -> unpickled program (shared by a sweep)
-        self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved (shared by a sweep)
+        # Loaded once per key while live invokes use them (a sweep's shards share them), and let go
+        # of with their last invoke: a server always has some invokes live
+        self._programs: dict[str, ProgramCopies] = {}  # program key -> the program, copied per invoke
+        self._batched: dict[str, Any] = {}  # group key -> a batched program's copy for its trace
+        self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved
+        self._users: collections.Counter[str] = collections.Counter()  # live invokes by program, group and ops key
         self.book = WriteBook(self.slots, settings.replay_log_bytes(), self.device)  # programs' writes (write_log.py)
         self.write_logs = {"kept": 0, "skipped": 0}  # program invokes with a write log, and without (never preempted)
         self.save_counts = {"held": 0, "at_once": 0}  # programs' tensor saves held to their step's end, or not
@@ -154,20 +160,31 @@ class Interleaver(ProgramServices):
                     op["_point"] = self.tree.op_point(op["point"])
                 self._ops[payload["ops_key"]] = ops
             state.ops = self._ops[payload["ops_key"]]
+            state.keys.append(payload["ops_key"])
+            self._users[payload["ops_key"]] += 1
             if payload["program_key"] is not None:
                 key = payload["program_key"]
-                if key not in self._programs:
-                    # unpickling runs the program's own code too (__reduce__, module-level statements)
+                state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
+                program = self._batched.get(state.group_key)
+                if program is None:
+                    # unpickling (and pickling again for copies) runs the program's own code too
+                    # (__reduce__, module-level statements)
                     flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
                     if flight is not None:
                         flight.enter()
                     try:
-                        program = cloudpickle.loads(_part(payload, "program", key))
+                        if key not in self._programs:
+                            loaded = cloudpickle.loads(_part(payload, "program", key))
+                            self._programs[key] = ProgramCopies(_on_device(loaded, self.device))
+                        program = self._programs[key].take()  # the invoke's own (program_copies.py)
                     finally:
                         if flight is not None:
                             flight.leave()
-                    self._programs[key] = _on_device(program, self.device)
-                state.program = self._programs[key]
+                    if payload.get("batched"):
+                        self._batched[state.group_key] = program
+                state.program = program
+                state.keys += [key, state.group_key] if payload.get("batched") else [key]
+                self._users.update(state.keys[1:])
                 state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
                 if self.book.limit > 0 and may_be_preempted:
                     state.writes = self.book.open(state.slot)
@@ -176,7 +193,6 @@ class Interleaver(ProgramServices):
                     self.write_logs["skipped"] += 1
                     state.unlogged = ("it started where KV-cache pressure could never preempt it; vLLM preempted it "
                                       "anyway, e.g. resetting the prefix cache")
-                state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
                 self.slots.group[state.slot] = self.scheduler.group_number(state.group_key)
         except Exception as exc:  # noqa: BLE001 - a bad payload fails this invoke only
             state.fail(error_record(exc, where="loading the invoke's program and ops"))
@@ -274,9 +290,22 @@ class Interleaver(ProgramServices):
                 self.slots.remove(state.slot)
         if finished:
             self.scheduler.keep_groups(self.invokes.values())
-        if not self.invokes:
-            self._programs.clear()
-            self._ops.clear()
+        for state in finished:
+            self._let_go(state.keys)
+        if not self.invokes:  # (none left: nothing of a failed admission stays either)
+            self._users.clear()
+            for loaded in (self._ops, self._programs, self._batched):
+                loaded.clear()
+
+    def _let_go(self, keys: list[str]) -> None:
+        """An invoke is done with its ops, program and batched group: the last one's user drops them."""
+        users = self._users
+        for key in keys:
+            users[key] -= 1
+            if users[key] <= 0:
+                del users[key]
+                for loaded in (self._ops, self._programs, self._batched):
+                    loaded.pop(key, None)
 
     def _keep_returned_steps(self, state: InvokeState, returned: int | None) -> None:
         """Keep only what the invoke's program and ops did at the steps whose tokens vLLM returned.

@@ -115,3 +115,13 @@ def _read(program: Any) -> Prologue | None:
         else:
             return None
     return None
+
+
+def share_prologue(copy: Any, original: Any) -> None:
+    """Give ``copy``, another invoke's copy of ``original`` (program_copies.py: the same code,
+    equal captures), the original's prologue, read from the bytecode once per program."""
+    known = prologue_of(original)
+    try:
+        _KNOWN[copy] = None if known is None else Prologue(copy, known._inputs)
+    except TypeError:  # not weak-referenceable
+        pass

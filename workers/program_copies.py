@@ -1,0 +1,104 @@
+"""Each invoke's own copy of its program: the Python state a program keeps is its invoke's.
+
+A program keeps state across its steps in what it captured (``first = {}``, a global counter, a
+tensor it accumulates into). The driver pickles a program object once per trace, and a rank
+unpickles equal bytes once while any invoke needs them: so every invoke of a trace that passed the
+same function ran one function object, and each saw the others' state (on the 2-core CPU a
+counter kept in a captured dict read 1, 3, 5, 7 for one invoke and 2, 4, 6, 8 for the other). On a
+cluster the same trace's invokes, split over replicas, saw other values; and two traces sending
+equal bytes (a lab's shared script, through the endpoint) shared state across users.
+
+So each invoke runs its own copy, as on an engine of its own, and the answer is the same on a
+laptop and a cluster. Values meant to cross invokes go through ``m.share`` and ``send``/``recv``.
+A batched program is one call per step for its trace's invokes: one copy per trace.
+
+A copy is unpickled from the program's bytes as the rank first loaded it (made once per
+program, before any invoke ran it), with its tensors kept apart: those of at most
+:data:`COPIED_BYTES` are cloned into each copy (a vector it steers with, an accumulator), larger
+ones (an SAE's or a probe's weights) are one tensor for every copy, moved to the model's device
+once. A copy costs one unpickling of the program's code and small objects (about 20 us for the
+bench's steering program on the 2-core CPU). A program that cannot be pickled again on the rank
+(something its unpickling made, e.g. a lock) runs as one object for every invoke, as before.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from copy import deepcopy
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import torch
+
+from interlace.workers.prologue import share_prologue
+
+# Captured tensors (and numpy arrays) up to this size are each invoke's own; larger ones are shared.
+COPIED_BYTES = 1 << 20
+
+
+class ProgramCopies:
+    """One program as a rank loaded it, and a copy of it per :meth:`take`."""
+
+    def __init__(self, program: Any):
+        self.program = program
+        self._given = False  # the first take gets the loaded program itself
+        self._arrays: list[Any] = []
+        buffer = io.BytesIO()
+        try:
+            _Apart(buffer, self._arrays).dump(program)
+            self._bytes: bytes | None = buffer.getvalue()
+        except Exception:  # noqa: BLE001 - not picklable again here: every invoke shares it
+            self._bytes = None
+
+    def take(self) -> Any:
+        """A copy of the program for one invoke (or one trace's batched group)."""
+        if not self._given or self._bytes is None:
+            self._given = True
+            return self.program
+        copy = _Together(io.BytesIO(self._bytes), self._arrays).load()
+        share_prologue(copy, self.program)
+        return copy
+
+
+class _Apart(cloudpickle.Pickler):
+    """Pickles a program with its tensors and arrays by reference (an index into ``arrays``)."""
+
+    def __init__(self, file, arrays: list[Any]):
+        super().__init__(file, protocol=cloudpickle.DEFAULT_PROTOCOL)
+        self._arrays = arrays
+        self._ids: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if not isinstance(obj, (torch.Tensor, np.ndarray)):
+            return None
+        index = self._ids.get(id(obj))
+        if index is None:
+            index = self._ids[id(obj)] = len(self._arrays)
+            self._arrays.append(obj)
+        return index
+
+
+class _Together(pickle.Unpickler):
+    """Unpickles :class:`_Apart`'s bytes: small tensors and arrays cloned, large ones shared."""
+
+    def __init__(self, file, arrays: list[Any]):
+        super().__init__(file)
+        self._arrays = arrays
+        self._copies: dict[int, Any] = {}  # one copy of an array the program holds twice
+
+    def persistent_load(self, index: int) -> Any:
+        value = self._arrays[index]
+        if value.nbytes > COPIED_BYTES:
+            return value
+        copy = self._copies.get(index)
+        if copy is None:
+            if type(value) is torch.Tensor:
+                copy = value.clone()
+            elif isinstance(value, np.ndarray):
+                copy = value.copy()
+            else:  # a tensor subclass (an nn.Parameter of a captured module)
+                copy = deepcopy(value)
+            self._copies[index] = copy
+        return copy
