@@ -259,7 +259,8 @@ def test_each_invoke_runs_its_own_copy_of_its_program(llama, oracles):
     is its invoke's: invokes of one trace that pass the same function each counted the others'
     steps too (1, 3, 5 and 2, 4, 6), which a cluster that splits the trace over replicas would
     not, and equal bytes in another trace met the same objects. A batched program is one call
-    for its trace's invokes: one copy per trace. Large captured tensors stay one per engine."""
+    for its trace's invokes: one copy per trace, as for a program of large Python objects (copied
+    per invoke, each would cost milliseconds). Large captured tensors stay one per engine."""
     oracle = oracles["tiny-llama"]
     prompts = [_prompt(oracle, "Count my own steps"), _prompt(oracle, "And mine")]
     state = {"steps": 0}
@@ -276,6 +277,12 @@ def test_each_invoke_runs_its_own_copy_of_its_program(llama, oracles):
         state["steps"] += 1
         m.save("counted", state["steps"])  # (a value not of rows: each invoke gets it whole)
 
+    table = {i: 0 for i in range(20_000)}  # objects past 64 KiB pickled: one copy per trace
+
+    def counts_with_a_table(m):
+        state["steps"] += 1
+        m.save("counted", state["steps"] + table[0])
+
     for _ in range(2):  # the second trace sends the same bytes
         with llama.trace(max_tokens=3, ignore_eos=True) as tr:
             for prompt in prompts:
@@ -287,6 +294,10 @@ def test_each_invoke_runs_its_own_copy_of_its_program(llama, oracles):
             for prompt in prompts:
                 tr.invoke(prompt, program=counts_together)
         assert [r.saves["counted"] for r in tr.result] == [[1, 2, 3]] * 2
+        with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+            for prompt in prompts:
+                tr.invoke(prompt, program=counts_with_a_table)
+        assert [r.saves["counted"] for r in tr.result] == [[1, 3, 5], [2, 4, 6]]
     assert state == {"steps": 0} and small.item() == 0  # (the driver's own objects never moved)
     _next_trace_is_exact(llama, oracle)
 

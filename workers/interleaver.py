@@ -104,7 +104,7 @@ class Interleaver(ProgramServices):
         # Loaded once per key while live invokes use them (a sweep's shards share them), and let go
         # of with their last invoke: a server always has some invokes live
         self._programs: dict[str, ProgramCopies] = {}  # program key -> the program, copied per invoke
-        self._batched: dict[str, Any] = {}  # group key -> a batched program's copy for its trace
+        self._per_trace: dict[str, Any] = {}  # trace/program key -> a batched or large program's copy for its trace
         self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved
         self._users: collections.Counter[str] = collections.Counter()  # live invokes by program, group and ops key
         self.book = WriteBook(self.slots, settings.replay_log_bytes(), self.device)  # programs' writes (write_log.py)
@@ -164,26 +164,30 @@ class Interleaver(ProgramServices):
             self._users[payload["ops_key"]] += 1
             if payload["program_key"] is not None:
                 key = payload["program_key"]
-                state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
-                program = self._batched.get(state.group_key)
-                if program is None:
-                    # unpickling (and pickling again for copies) runs the program's own code too
-                    # (__reduce__, module-level statements)
-                    flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
+                in_trace = f"{state.trace}/{key}"
+                state.group_key = in_trace if payload.get("batched") else req_id
+                # unpickling (and pickling again for copies) runs the program's own code too
+                # (__reduce__, module-level statements)
+                flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
+                if flight is not None:
+                    flight.enter()
+                try:
+                    if key not in self._programs:
+                        loaded = cloudpickle.loads(_part(payload, "program", key))
+                        self._programs[key] = ProgramCopies(_on_device(loaded, self.device))
+                    copies = self._programs[key]
+                    # the invoke's own copy (program_copies.py), or its trace's for a batched or large program
+                    per_trace = payload.get("batched") or copies.large
+                    program = self._per_trace.get(in_trace) if per_trace else None
+                    if program is None:
+                        program = copies.take()
+                        if per_trace:
+                            self._per_trace[in_trace] = program
+                finally:
                     if flight is not None:
-                        flight.enter()
-                    try:
-                        if key not in self._programs:
-                            loaded = cloudpickle.loads(_part(payload, "program", key))
-                            self._programs[key] = ProgramCopies(_on_device(loaded, self.device))
-                        program = self._programs[key].take()  # the invoke's own (program_copies.py)
-                    finally:
-                        if flight is not None:
-                            flight.leave()
-                    if payload.get("batched"):
-                        self._batched[state.group_key] = program
+                        flight.leave()
                 state.program = program
-                state.keys += [key, state.group_key] if payload.get("batched") else [key]
+                state.keys += [key, in_trace] if per_trace else [key]
                 self._users.update(state.keys[1:])
                 state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
                 if self.book.limit > 0 and may_be_preempted:
@@ -294,17 +298,17 @@ class Interleaver(ProgramServices):
             self._let_go(state.keys)
         if not self.invokes:  # (none left: nothing of a failed admission stays either)
             self._users.clear()
-            for loaded in (self._ops, self._programs, self._batched):
+            for loaded in (self._ops, self._programs, self._per_trace):
                 loaded.clear()
 
     def _let_go(self, keys: list[str]) -> None:
-        """An invoke is done with its ops, program and batched group: the last one's user drops them."""
+        """An invoke is done with its ops, its program and its trace's copy of it: the last user drops each."""
         users = self._users
         for key in keys:
             users[key] -= 1
             if users[key] <= 0:
                 del users[key]
-                for loaded in (self._ops, self._programs, self._batched):
+                for loaded in (self._ops, self._programs, self._per_trace):
                     loaded.pop(key, None)
 
     def _keep_returned_steps(self, state: InvokeState, returned: int | None) -> None:

@@ -16,9 +16,12 @@ A copy is unpickled from the program's bytes as the rank first loaded it (made o
 program, before any invoke ran it), with its tensors kept apart: those of at most
 :data:`COPIED_BYTES` are cloned into each copy (a vector it steers with, an accumulator), larger
 ones (an SAE's or a probe's weights) are one tensor for every copy, moved to the model's device
-once. A copy costs one unpickling of the program's code and small objects (about 20 us for the
-bench's steering program on the 2-core CPU). A program that cannot be pickled again on the rank
-(something its unpickling made, e.g. a lock) runs as one object for every invoke, as before.
+once; long strings and bytes are shared too. A copy costs one unpickling of the program's code
+and other objects, about 10 us for the bench's steering program on the 2-core CPU; a program
+whose other objects are large (a tokenizer, a vocabulary dict: milliseconds to unpickle) is
+copied once per trace instead (:data:`COPIED_PROGRAM_BYTES`), its invokes sharing that copy. A
+program that cannot be pickled again on the rank (something its unpickling made, e.g. a lock)
+runs as one object for every invoke and trace, as before.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ from interlace.workers.prologue import share_prologue
 
 # Captured tensors (and numpy arrays) up to this size are each invoke's own; larger ones are shared.
 COPIED_BYTES = 1 << 20
+# Strings and bytes longer than this are shared (they cannot change): not unpickled per invoke.
+SHARED_TEXT = 1 << 12
+# A program whose other objects pickle to more than this (a tokenizer, a vocabulary dict: 13 ms to
+# unpickle 50,000 entries on the 2-core CPU) is copied once per trace, not per invoke.
+COPIED_PROGRAM_BYTES = 64 << 10
 
 
 class ProgramCopies:
@@ -51,6 +59,7 @@ class ProgramCopies:
             self._bytes: bytes | None = buffer.getvalue()
         except Exception:  # noqa: BLE001 - not picklable again here: every invoke shares it
             self._bytes = None
+        self.large = self._bytes is None or len(self._bytes) > COPIED_PROGRAM_BYTES  # copied per trace
 
     def take(self) -> Any:
         """A copy of the program for one invoke (or one trace's batched group)."""
@@ -71,7 +80,8 @@ class _Apart(cloudpickle.Pickler):
         self._ids: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> int | None:
-        if not isinstance(obj, (torch.Tensor, np.ndarray)):
+        if not isinstance(obj, (torch.Tensor, np.ndarray)) and not (
+                isinstance(obj, (str, bytes)) and len(obj) > SHARED_TEXT):
             return None
         index = self._ids.get(id(obj))
         if index is None:
@@ -90,7 +100,7 @@ class _Together(pickle.Unpickler):
 
     def persistent_load(self, index: int) -> Any:
         value = self._arrays[index]
-        if value.nbytes > COPIED_BYTES:
+        if isinstance(value, (str, bytes)) or value.nbytes > COPIED_BYTES:  # (text cannot change)
             return value
         copy = self._copies.get(index)
         if copy is None:
