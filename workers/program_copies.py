@@ -66,7 +66,11 @@ class ProgramCopies:
         if not self._given or self._bytes is None:
             self._given = True
             return self.program
-        copy = _Together(io.BytesIO(self._bytes), self._arrays).load()
+        try:
+            copy = _Together(io.BytesIO(self._bytes), self._arrays).load()
+        except Exception:  # noqa: BLE001 - its objects rebuild only once (a reconstructor with side effects)
+            self._bytes, self.large = None, True  # shared from now on, as before copies
+            return self.program
         share_prologue(copy, self.program)
         return copy
 
