@@ -302,6 +302,49 @@ def test_each_invoke_runs_its_own_copy_of_its_program(llama, oracles):
     _next_trace_is_exact(llama, oracle)
 
 
+class _MadeOnce:
+    """An object whose rebuilding works once per process (a reconstructor with side effects)."""
+
+    def __reduce__(self):
+        return (_make_once, ())
+
+
+def _make_once():
+    import builtins
+
+    if getattr(builtins, "_interlace_made_once", False):
+        raise RuntimeError("made once already")
+    builtins._interlace_made_once = True
+    return _MadeOnce()
+
+
+def test_a_program_that_cannot_be_copied_is_shared_as_loaded_and_large_objects_are_not_copied():
+    import builtins
+
+    import cloudpickle
+
+    from interlace.workers.program_copies import ProgramCopies
+
+    held, weights, text = _MadeOnce(), torch.zeros(2**19), "x" * 10_000
+
+    def program(m):
+        return held, weights, text
+
+    try:
+        loaded = cloudpickle.loads(cloudpickle.dumps(program))  # as a rank loads it: made once
+        copies = ProgramCopies(loaded)
+        assert copies.take() is loaded and not copies.large
+        assert copies.take() is loaded and copies.large  # its copy could not be made: shared from now on
+    finally:
+        del builtins._interlace_made_once
+    small = torch.zeros(4)
+    copies = ProgramCopies(lambda m: (weights, text, small))
+    first, second = copies.take(), copies.take()
+    assert first is not second
+    (w1, t1, s1), (w2, t2, s2) = first(None), second(None)
+    assert w1 is w2 and t1 is t2 and s1 is not s2  # weights and text shared, a small tensor each its own
+
+
 def _reads_stream(m):
     m.layers[1].resid
     m.save("stream", torch.cuda.current_stream().cuda_stream)
