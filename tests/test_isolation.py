@@ -382,6 +382,40 @@ def test_a_programs_cuda_stream_is_its_own(llama, oracles):
     _next_trace_is_exact(llama, oracle)
 
 
+def _sets_device(m):
+    with torch.cuda.device(1):  # a read inside: the engine goes on on its own device
+        m.layers[0].resid
+        m.save("inside", torch.cuda.current_device())
+    torch.cuda.set_device(1)  # and left set as the program ends
+
+
+def _reads_device(m):
+    m.layers[1].resid
+    m.save("device", torch.cuda.current_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.ranks(2)
+def test_a_programs_cuda_device_is_its_own(llama, oracles):
+    """The current CUDA device is the engine thread's too: a program's ``torch.cuda.set_device``
+    or ``with torch.cuda.device(1):`` around a read holds in its code only; its neighbours and the
+    next trace run on the engine's device (a one-GPU engine on a host of two)."""
+    oracle = oracles["tiny-llama"]
+    prompts = [_prompt(oracle, "A device of my own"), _prompt(oracle, "A neighbour reads")]
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+        tr.invoke(prompts[1], program=_reads_device)
+    engine = tr.result[0].saves["device"]
+    assert 1 not in engine
+    with llama.trace(max_tokens=3, ignore_eos=True) as tr:
+        tr.invoke(prompts[0], program=_sets_device)
+        tr.invoke(prompts[1], program=_reads_device)
+    mine, neighbour = tr.result
+    assert mine.saves["inside"] == [1] * 3, "the program lost its own device across its read"
+    assert neighbour.saves["device"] == engine, "the forward pass ran with a program's device"
+    assert [r.token_ids for r in tr.result] == [oracle.greedy(p, 3) for p in prompts]
+    _next_trace_is_exact(llama, oracle)
+
+
 def test_engine_settings_that_skip_hooks_are_refused_before_an_engine_starts():
     from interlace.cluster.config import ModelConfig
     from interlace.cluster.engine import engine_args
