@@ -21,7 +21,7 @@ class InvokePayload:
     trace: str  # the id the workers know the trace by (its report folder, gang, batched groups)
     invoke: int  # the invoke's index in the user's trace (reports carry it back)
     program: bytes | None  # the program, cloudpickled; None: ops only
-    program_key: str | None  # hash of ``program``: equal programs are unpickled once per rank
+    program_key: str | None  # hash of ``program``: equal programs are loaded once per rank, then copied per invoke
     batched: bool  # the program is @interlace.batched
     ops: bytes  # the invoke's ops list, cloudpickled
     ops_key: str  # equal keys, equal ops: unpickled once per rank
