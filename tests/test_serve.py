@@ -137,6 +137,25 @@ def test_one_script_gives_the_same_results_on_a_model_a_cluster_and_the_endpoint
         cluster.close()
 
 
+def test_two_users_sending_the_same_stateful_program_at_once_each_get_their_own_state(endpoint, coder):
+    """Equal program bytes from two traces in flight at once (a lab's shared script) were loaded
+    once on the engine, so each trace's counter also counted the other's steps."""
+    state = {"steps": 0}
+
+    def counts(m):
+        state["steps"] += 1
+        m.save("counted", state["steps"])
+
+    traces = []
+    for prompt in ("One user's prompt", "Another user's prompt"):
+        tr = coder.trace(max_tokens=24, ignore_eos=True)
+        tr.invoke(prompt, program=counts)
+        traces.append(tr)
+    futures = [coder.submit(tr) for tr in traces]  # both generate together
+    for future in futures:
+        assert future.result(timeout=120).invokes[0].saves["counted"] == list(range(1, 25))
+
+
 def test_tokens_and_roles(endpoint, analyst, llama):
     with analyst.trace(max_tokens=3) as tr:  # ops work with a declarative-only token
         tr.invoke("Hello", ops=[ops.save("layers.0.resid")])
