@@ -24,7 +24,6 @@ Nothing here raises into vLLM: a failing program fails its invokes and the step 
 
 from __future__ import annotations
 
-import collections
 import inspect
 import logging
 from typing import Any, Callable
@@ -44,7 +43,7 @@ from interlace.workers.pipeline import HERE, LATER, Carried, StageMap
 from interlace.workers.points import MAILBOX, ModuleTree, Rows
 from interlace.workers.printed import capture as capture_printed
 from interlace.workers import program_settings
-from interlace.workers.program_copies import ProgramCopies
+from interlace.workers.program_copies import Loaded
 from interlace.workers.program_services import ProgramServices
 from interlace.workers.prologue import prologue_of
 from interlace.workers.reporter import Reporter
@@ -101,12 +100,7 @@ class Interleaver(ProgramServices):
         self.piece_steps = 0  # steps whose programs and ops ran at the taps (between graph pieces)
         self._said_untapped = False
         self._untapped: set[str] = set()  # live invokes whose steps run eager (see runs_on_taps)
-        # Loaded once per key while live invokes use them (a sweep's shards share them), and let go
-        # of with their last invoke: a server always has some invokes live
-        self._programs: dict[str, ProgramCopies] = {}  # program key -> the program, copied per invoke
-        self._per_trace: dict[str, Any] = {}  # trace/program key -> a batched or large program's copy for its trace
-        self._ops: dict[str, list[dict]] = {}  # ops key -> unpickled ops, points resolved
-        self._users: collections.Counter[str] = collections.Counter()  # live invokes by program, group and ops key
+        self.loaded = Loaded()  # the live invokes' programs and ops, loaded once per key (program_copies.py)
         self.book = WriteBook(self.slots, settings.replay_log_bytes(), self.device)  # programs' writes (write_log.py)
         self.write_logs = {"kept": 0, "skipped": 0}  # program invokes with a write log, and without (never preempted)
         self.save_counts = {"held": 0, "at_once": 0}  # programs' tensor saves held to their step's end, or not
@@ -154,41 +148,22 @@ class Interleaver(ProgramServices):
         self._untapped.add(req_id)  # until its ops are known to run in graph taps (runs_on_taps)
         self.scheduler.end_epochs()  # a new invoke starts a new epoch
         try:
-            if payload["ops_key"] not in self._ops:  # unpickled once per distinct list: shared by a sweep
-                ops = cloudpickle.loads(_part(payload, "ops", payload["ops_key"]))
-                for op in ops:
-                    op["_point"] = self.tree.op_point(op["point"])
-                self._ops[payload["ops_key"]] = ops
-            state.ops = self._ops[payload["ops_key"]]
-            state.keys.append(payload["ops_key"])
-            self._users[payload["ops_key"]] += 1
+            state.ops = self.loaded.ops(payload["ops_key"], lambda: self._load_ops(payload), state.keys)
             if payload["program_key"] is not None:
                 key = payload["program_key"]
-                in_trace = f"{state.trace}/{key}"
-                state.group_key = in_trace if payload.get("batched") else req_id
+                state.group_key = f"{state.trace}/{key}" if payload.get("batched") else req_id
                 # unpickling (and pickling again for copies) runs the program's own code too
                 # (__reduce__, module-level statements)
                 flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
                 if flight is not None:
                     flight.enter()
                 try:
-                    if key not in self._programs:
-                        loaded = cloudpickle.loads(_part(payload, "program", key))
-                        self._programs[key] = ProgramCopies(_on_device(loaded, self.device))
-                    copies = self._programs[key]
-                    # the invoke's own copy (program_copies.py), or its trace's for a batched or large program
-                    per_trace = payload.get("batched") or copies.large
-                    program = self._per_trace.get(in_trace) if per_trace else None
-                    if program is None:
-                        program = copies.take()
-                        if per_trace:
-                            self._per_trace[in_trace] = program
+                    state.program = self.loaded.program(
+                        key, state.trace, bool(payload.get("batched")), state.keys,
+                        lambda: _on_device(cloudpickle.loads(_part(payload, "program", key)), self.device))
                 finally:
                     if flight is not None:
                         flight.leave()
-                state.program = program
-                state.keys += [key, in_trace] if per_trace else [key]
-                self._users.update(state.keys[1:])
                 state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
                 if self.book.limit > 0 and may_be_preempted:
                     state.writes = self.book.open(state.slot)
@@ -295,21 +270,15 @@ class Interleaver(ProgramServices):
         if finished:
             self.scheduler.keep_groups(self.invokes.values())
         for state in finished:
-            self._let_go(state.keys)
+            self.loaded.let_go(state.keys)
         if not self.invokes:  # (none left: nothing of a failed admission stays either)
-            self._users.clear()
-            for loaded in (self._ops, self._programs, self._per_trace):
-                loaded.clear()
+            self.loaded.clear()
 
-    def _let_go(self, keys: list[str]) -> None:
-        """An invoke is done with its ops, its program and its trace's copy of it: the last user drops each."""
-        users = self._users
-        for key in keys:
-            users[key] -= 1
-            if users[key] <= 0:
-                del users[key]
-                for loaded in (self._ops, self._programs, self._per_trace):
-                    loaded.pop(key, None)
+    def _load_ops(self, payload: dict) -> list[dict]:
+        ops = cloudpickle.loads(_part(payload, "ops", payload["ops_key"]))
+        for op in ops:
+            op["_point"] = self.tree.op_point(op["point"])
+        return ops
 
     def _keep_returned_steps(self, state: InvokeState, returned: int | None) -> None:
         """Keep only what the invoke's program and ops did at the steps whose tokens vLLM returned.

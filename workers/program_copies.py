@@ -26,10 +26,11 @@ runs as one object for every invoke and trace, as before.
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 from copy import deepcopy
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 import numpy as np
@@ -44,6 +45,61 @@ SHARED_TEXT = 1 << 12
 # A program whose other objects pickle to more than this (a tokenizer, a vocabulary dict: 13 ms to
 # unpickle 50,000 entries on the 2-core CPU) is copied once per trace, not per invoke.
 COPIED_PROGRAM_BYTES = 64 << 10
+
+
+class Loaded:
+    """The programs and ops a rank has loaded for its live invokes, each once per key (a sweep's
+    shards share them), and dropped with the last invoke that uses it: a busy server never runs
+    out of live invokes. Each invoke records the keys it holds in its ``keys`` list."""
+
+    def __init__(self):
+        self._ops: dict[str, list[dict]] = {}  # ops key -> the ops, points resolved
+        self._programs: dict[str, ProgramCopies] = {}  # program key -> the program, copied per invoke
+        self._per_trace: dict[str, Any] = {}  # trace/program key -> a batched or large program's copy
+        self._users: collections.Counter[str] = collections.Counter()  # live invokes by key
+
+    def ops(self, key: str, load: Callable[[], list[dict]], keys: list[str]) -> list[dict]:
+        """The ops of ``key`` (``load()`` them if none are loaded), held for an invoke."""
+        ops = self._ops.get(key)
+        if ops is None:
+            ops = self._ops[key] = load()
+        self._hold(keys, key)
+        return ops
+
+    def program(self, key: str, trace: str, batched: bool, keys: list[str], load: Callable[[], Any]) -> Any:
+        """An invoke's own copy of the program of ``key`` (``load()`` it if it is not loaded), or
+        its trace's for a batched or large program, held for the invoke."""
+        copies = self._programs.get(key)
+        if copies is None:
+            copies = self._programs[key] = ProgramCopies(load())
+        if not (batched or copies.large):
+            self._hold(keys, key)
+            return copies.take()
+        in_trace = f"{trace}/{key}"
+        program = self._per_trace.get(in_trace)
+        if program is None:
+            program = self._per_trace[in_trace] = copies.take()
+        self._hold(keys, key, in_trace)
+        return program
+
+    def _hold(self, keys: list[str], *held: str) -> None:
+        keys += held
+        self._users.update(held)
+
+    def let_go(self, keys: list[str]) -> None:
+        """An invoke is done with what it held: the last user of each drops it."""
+        users = self._users
+        for key in keys:
+            users[key] -= 1
+            if users[key] <= 0:
+                del users[key]
+                for loaded in (self._ops, self._programs, self._per_trace):
+                    loaded.pop(key, None)
+
+    def clear(self) -> None:
+        self._users.clear()
+        for loaded in (self._ops, self._programs, self._per_trace):
+            loaded.clear()
 
 
 class ProgramCopies:
@@ -62,7 +118,7 @@ class ProgramCopies:
         self.large = self._bytes is None or len(self._bytes) > COPIED_PROGRAM_BYTES  # copied per trace
 
     def take(self) -> Any:
-        """A copy of the program for one invoke (or one trace's batched group)."""
+        """A copy of the program for one invoke (or one trace, see :class:`Loaded`)."""
         if not self._given or self._bytes is None:
             self._given = True
             return self.program
