@@ -164,7 +164,7 @@ class Interleaver(ProgramServices):
                 finally:
                     if flight is not None:
                         flight.leave()
-                state.flight = entry_for(state.sink, state.trace, state.invoke, state.timeout_s)
+                state.flight = flight  # (the recorder's one entry for this invoke)
                 if self.book.limit > 0 and may_be_preempted:
                     state.writes = self.book.open(state.slot)
                     self.write_logs["kept"] += 1
