@@ -1,7 +1,8 @@
 """Report files: saves gathered into a batch's region come back as views of one mapping, everything
 else round-trips through the header, the data file is reserved ahead, reused by a later trace only
 once nobody can read its rows, and truncated when let go of, and a failed write leaves no batch
-behind. All without an engine but the last test, which runs the session's."""
+behind; a batch of few rows goes in its header, with no data file. All without an engine but the
+last test, which runs the session's."""
 
 from __future__ import annotations
 
@@ -16,10 +17,20 @@ import numpy as np
 import pytest
 import torch
 
+from interlace.workers import report_file
 from interlace.workers.save_gather import TakenSaves
 from interlace.workers.saves import SaveChunk
 from interlace.workers import sink as sink_module
 from interlace.workers.sink import DATA, DirSink, discard, read_new_reports
+
+SMALL_IN_HEADER = report_file.ROWS_IN_HEADER
+
+
+@pytest.fixture(autouse=True)
+def rows_in_the_data_file(monkeypatch):
+    """These tests are about the data file: every batch with rows gets a region of it, however few
+    (a batch of at most ROWS_IN_HEADER goes in its header otherwise; the test of that sets it back)."""
+    monkeypatch.setattr(report_file, "ROWS_IN_HEADER", 0)
 
 
 def _chunk(name: str, rows: torch.Tensor, owners: list[int], ranges: list[tuple[int, int]]) -> SaveChunk:
@@ -76,6 +87,47 @@ def test_saves_gathered_into_the_file_come_back_as_views_of_one_mapping(tmp_path
     again = read_new_reports(tmp_path / "t", set())  # a second reader: one more claim
     assert torch.equal(again[0]["saves"]["resid"], expected[0]["resid"])
     assert len(list((tmp_path / DATA).glob("*.claim"))) == 2
+
+
+def test_a_batch_of_few_rows_goes_in_its_header_and_its_trace_makes_no_data_file(tmp_path, monkeypatch):
+    """A server's one-invoke trace saves a few hundred KiB: its rows go in the batch's header,
+    each result a tensor of its own (only its own bytes), and no data file is made, reserved or
+    kept for the trace. A trace that reserved one ahead but reports few rows uses it for nothing."""
+    monkeypatch.setattr(report_file, "ROWS_IN_HEADER", SMALL_IN_HEADER)
+    taken = _taken()
+    expected = taken.assemble()
+    sink = DirSink(str(tmp_path))
+    with sink.batch("t", 0) as batch:
+        saves = taken.assemble(batch.allocate)
+        batch.finish([_report(i, s) for i, s in enumerate(saves)])
+    sink.close("t", 0)
+    assert not (tmp_path / DATA).exists()
+    (path,) = (tmp_path / "t").glob("*.reports")
+    assert path.stat().st_size < 4096  # each invoke's own rows, not the gathered tensor per view
+
+    back = read_new_reports(tmp_path / "t", set())
+    for report, want in zip(back, expected):
+        assert report["saves"].keys() == want.keys()
+        for name, value in want.items():
+            got = report["saves"][name]
+            assert got.dtype == value.dtype and torch.equal(got, value)
+            assert got.untyped_storage().nbytes() == got.nbytes  # a tensor of its own
+    back[0]["saves"]["resid"].zero_()  # writable, and the file keeps its rows
+    assert torch.equal(read_new_reports(tmp_path / "t", set())[0]["saves"]["resid"], expected[0]["resid"])
+    assert not (tmp_path / DATA).exists()  # nor any reader's claim
+
+    sink.reserve("u", 0, 1 << 20)  # reserved ahead, then a small report
+    with sink.batch("u", 0) as batch:
+        batch.finish([_report(0, taken.assemble(batch.allocate)[0])])
+    sink.close("u", 0)
+    assert torch.equal(read_new_reports(tmp_path / "u", set())[0]["saves"]["resid"], expected[0]["resid"])
+
+    big = torch.ones(SMALL_IN_HEADER // 2048 + 1, 1024, dtype=torch.bfloat16)  # past the limit: a region
+    saves = TakenSaves({"big": [(_chunk("big", big, [0], [(0, len(big))]), np.ones(1, dtype=bool))]}, np.array([0]))
+    with sink.batch("v", 0) as batch:
+        batch.finish([_report(0, s) for s in saves.assemble(batch.allocate)])
+    assert batch.has_region and len(list((tmp_path / DATA).glob("*.data"))) == 1
+    assert torch.equal(read_new_reports(tmp_path / "v", set())[0]["saves"]["big"], big)
 
 
 def test_results_stay_readable_after_the_folder_is_removed(tmp_path):
@@ -137,8 +189,7 @@ def test_the_data_file_is_reserved_ahead_batches_append_and_letting_go_gives_bac
     assert back[0]["saves"]["resid"].data_ptr() != back[3]["saves"]["resid"].data_ptr()
 
     monkeypatch.setattr(sink_module, "KEEP_FILES", 0)  # the next trace's close lets go of both
-    sink.write("u", 0, [_report(0, {})])
-    sink.close("u", 0)
+    _write_trace(sink, "u", 1.0)  # (rows in a data file of its own, then closed)
     assert data.stat().st_size == 2 * 4096  # truncated to the two regions (a page each)
     assert all(torch.equal(r["saves"]["resid"], want["resid"]) for r, want in zip(back, expected + expected))
 
@@ -485,6 +536,8 @@ from interlace.workers.save_gather import TakenSaves
 from interlace.workers.saves import SaveChunk
 from interlace.workers import sink as sink_module
 from interlace.workers.sink import DATA, DirSink, discard, read_new_reports
+from interlace.workers import report_file
+report_file.ROWS_IN_HEADER = 0  # rows in a data file, mapped by the reader
 rows = torch.ones(8, 4)
 one = np.array([0])
 saves = TakenSaves({{"x": [(SaveChunk("x", rows, None, one, one, one + 8, 1), np.ones(1, dtype=bool))]}}, one)
@@ -529,18 +582,21 @@ def test_a_watcher_waits_for_a_report_only_once_it_is_due(tmp_path):
 
 def test_an_engine_writes_a_data_file_again_only_after_the_results_in_it_are_dropped(llama):
     """The same on a real engine: results held while later traces run keep their values, and a
-    loop that drops each trace's results before the next one runs reuses one data file."""
+    loop that drops each trace's results before the next one runs reuses one data file. (Each
+    trace saves more than ROWS_IN_HEADER, so its rows go to a data file.)"""
     from interlace import ops
 
-    save = [ops.save("layers.1.resid")]
+    save = [ops.save(f"layers.{layer}.resid") for layer in range(4)] + [ops.save("logits")]
+    tokens = 300
     data_files = lambda: sorted((llama._sink_root / DATA).glob("*.data"))  # noqa: E731
     gc.collect()  # results earlier tests dropped in reference cycles
     stale = _claims(llama._sink_root)  # the session's engine ran those tests (one run failed on one)
 
-    held = llama.generate("The capital of France is", ops=save, max_tokens=4, ignore_eos=True)
+    held = llama.generate("The capital of France is", ops=save, max_tokens=tokens, ignore_eos=True)
+    assert sum(value.nbytes for value in held.saves.values()) > SMALL_IN_HEADER
     kept = held.saves["layers.1.resid"].clone()
     for prompt in ("Once upon a time", "1, 2, 3, 4, 5,"):  # other rows, written while held is held
-        other = llama.generate(prompt, ops=save, max_tokens=4, ignore_eos=True)
+        other = llama.generate(prompt, ops=save, max_tokens=tokens, ignore_eos=True)
         assert not torch.equal(other.saves["layers.1.resid"][-1], kept[-1])
     assert torch.equal(held.saves["layers.1.resid"], kept)
 
@@ -548,7 +604,7 @@ def test_an_engine_writes_a_data_file_again_only_after_the_results_in_it_are_dro
     _wait_for_claims_to_go(llama._sink_root, stale)
     before = data_files()
     for _ in range(3):
-        out = llama.generate("The capital of France is", ops=save, max_tokens=4, ignore_eos=True)
+        out = llama.generate("The capital of France is", ops=save, max_tokens=tokens, ignore_eos=True)
         assert torch.equal(out.saves["layers.1.resid"], kept)
         del out
         _wait_for_claims_to_go(llama._sink_root, stale)

@@ -22,10 +22,12 @@ file into ``.data`` (its claim), maps the region copy-on-write and rebuilds thos
 of it: nothing is copied on read, and a user editing a result does not change the file. The claim
 goes when the last of those views does. The rank keeps each batch file open and reuses the data
 file only when none of them has a name left (the trace's folder removed, every claim gone), so
-results held for as long as the user likes stay as they were read.
+results held for as long as the user likes stay as they were read. A batch with few rows (at most
+:data:`ROWS_IN_HEADER`, a server's one-invoke trace) has no region: its rows are pickled in the
+header, and read back as tensors of their own.
 
     data = DataFile(folder / "0-123-0.data"); data.reserve(512 << 20)   (ahead, reporter thread)
-    writer = ReportFileWriter(fd, data, header_folder)
+    writer = ReportFileWriter(fd, lambda: data, header_folder)
     l3, l4 = writer.allocate([((n, 2048), torch.bfloat16), ((n, 2048), torch.bfloat16)])
     ...gather rows into l3 and l4; put views of them in the reports...
     writer.finish(reports); data.watch(open batch file)
@@ -48,7 +50,7 @@ import struct
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -74,6 +76,14 @@ except (OSError, TypeError, AttributeError):  # no C library to call (Windows): 
 # 2 MiB slices for 16 ms (2-7 ms) (bench/host_probe.py --only maplock). So the reporter maps and
 # unmaps in slices.
 _SLICE = 2 << 20
+
+# A batch whose rows total at most this is written inside its header (its tensors pickled there),
+# with no data file: a server's one-invoke traces each save a few hundred KiB (128 tokens of a 1B
+# model's last-token residual: 512 KiB), and a data file per trace (made, reserved, pinned on a
+# GPU, truncated when a later one evicts it) cost the reporter 0.4 ms of Python a trace on the
+# 2-core CPU, which the engine thread waits for (the GIL). Pickling 512 KiB into the header takes
+# 0.1 ms, and reading it back as much.
+ROWS_IN_HEADER = 1 << 20
 
 TensorSpec = tuple[Sequence[int], torch.dtype]
 
@@ -235,12 +245,14 @@ def copy_to_host(out: torch.Tensor, rows: torch.Tensor, wait: bool = True) -> No
 
 class ReportFileWriter:
     """Writes one batch's header file into ``fd`` (an empty file the caller created and names); its
-    saved rows go to a region of ``data``, which the caller tells of the file (:meth:`DataFile.watch`)."""
+    saved rows go to a region of the trace's data file (``data()``, asked for only when the rows are
+    more than :data:`ROWS_IN_HEADER`), which the caller tells of the file (:meth:`DataFile.watch`)."""
 
-    def __init__(self, fd: int, data: DataFile | None, folder: Path | None = None):
+    def __init__(self, fd: int, data: Callable[[], DataFile] | None, folder: Path | None = None):
         """``folder``: where the header file will be (the data file is named relative to it)."""
         self._fd = fd
-        self._data = data
+        self._data_file = data
+        self.data: DataFile | None = None  # the data file holding the batch's rows, once allocated
         self._folder = folder
         self._region: tuple[int, int] = (0, 0)  # start and length in the data file; none yet
         self.reports: list[dict] | None = None  # set by finish()
@@ -255,9 +267,10 @@ class ReportFileWriter:
         for shape, dtype in specs:
             offsets.append(end)
             end += _round_up(math.prod(shape) * dtype.itemsize, _ALIGN)
-        if end == 0 or self._data is None:
+        if end <= ROWS_IN_HEADER or self._data_file is None:  # pickled in the header
             return [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
-        start, region = self._data.region(end)
+        self.data = self._data_file()
+        start, region = self.data.region(end)
         self._region = (start, end)
         return [region[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
                 for offset, (shape, dtype) in zip(offsets, specs)]
@@ -271,10 +284,10 @@ class ReportFileWriter:
         """Write the prefix (where the region is) and ``reports`` pickled as the header."""
         name = b""
         if self._region[1]:
-            name = (os.path.relpath(self._data.path, self._folder) if self._folder else self._data.path.name).encode()
+            name = (os.path.relpath(self.data.path, self._folder) if self._folder else self.data.path.name).encode()
         with io.BufferedWriter(io.FileIO(self._fd, "wb", closefd=False), buffer_size=1 << 20) as out:
             out.write(_PREFIX.pack(_MAGIC, *self._region, len(name)) + name)
-            _HeaderPickler(out, self._data.bytes if self._region[1] else None, *self._region).dump(reports)
+            _HeaderPickler(out, self.data.bytes if self._region[1] else None, *self._region).dump(reports)
         self.reports = reports
 
 
@@ -401,7 +414,9 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, 
 
 class _HeaderPickler(pickle.Pickler):
     """Tensors inside the batch's region become references to it; any other tensor is pickled
-    whole, and only its own bytes (a view of a large tensor would otherwise carry all of it).
+    whole, and only its own bytes (a view of a large tensor would otherwise carry all of it), as
+    its raw bytes (:func:`_inline_tensor`; torch's own pickling writes a zip archive per tensor,
+    about 50 us each, which a server's one-invoke reports paid for every save).
 
     The check is in ``reducer_override``, which pickle skips for plain ints, strings, dicts, lists
     and tuples, not in ``persistent_id``, which it calls for every object: a 256-invoke report
@@ -419,9 +434,24 @@ class _HeaderPickler(pickle.Pickler):
             offset = obj.data_ptr() - self._data_ptr
             if self._start <= offset < self._stop:
                 return _region_view, (_dtype_name(obj.dtype), offset - self._start, tuple(obj.shape), obj.stride())
-        if obj.untyped_storage().nbytes() > obj.nbytes:
-            return obj.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return NotImplemented
+        if obj.requires_grad or obj.is_conj() or obj.is_neg() or obj.dtype not in _RAW_DTYPES:
+            if obj.untyped_storage().nbytes() > obj.nbytes:
+                return obj.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return NotImplemented
+        raw = obj.contiguous().view(-1).view(torch.uint8).numpy()  # its own bytes only, not a copy where contiguous
+        return _inline_tensor, (_dtype_name(obj.dtype), tuple(obj.shape), pickle.PickleBuffer(raw))
+
+
+# dtypes whose tensors go into a header as raw bytes (torch's own pickling for any other)
+_RAW_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                         torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+
+
+def _inline_tensor(dtype: str, shape: tuple, raw: Any) -> torch.Tensor:
+    """A tensor pickled in a header as its bytes (``raw``: a bytearray, which it keeps)."""
+    if not len(raw):
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
 
 
 def _region_view(dtype: str, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:

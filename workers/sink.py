@@ -6,7 +6,8 @@ saved rows, reserved ahead while the trace runs (in ``.data/``, reused by later 
 readers have dropped the rows), and one header file per batch of invokes a rank reported together
 (a trace's invokes usually finish in the same step) in the trace's folder, written under a
 ``.partial-*`` name and renamed into place once complete; the driver reads them as they appear
-(:mod:`report_file`).
+(:mod:`report_file`). A batch of at most ``report_file.ROWS_IN_HEADER`` of rows (a server's
+one-invoke trace) carries them in its header, and its trace needs no data file.
 
 Used on each rank from its reporter thread only (a sink keeps the trace's open data files).
 """
@@ -14,6 +15,7 @@ Used on each rank from its reporter thread only (a sink keeps the trace's open d
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import os
@@ -65,11 +67,14 @@ class DirSink:
         ``batch.finish(reports)``. It appears as ``<trace>/<stage>-<first invoke>.reports`` (unique:
         a stage reports each invoke once) when the block ends; a failure leaves no header behind
         (its region of the data file stays unused)."""
-        data = self._data_file(trace, stage)
         folder = self.root / trace
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
         try:
-            batch = ReportFileWriter(fd, data, folder)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
+        except FileNotFoundError:  # the trace's first batch here
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
+        try:
+            batch = ReportFileWriter(fd, functools.partial(self._data_file, trace, stage), folder)
             yield batch
             if batch.reports is None:
                 raise RuntimeError("a report batch ended without finish(reports)")
@@ -80,7 +85,7 @@ class DirSink:
                 os.unlink(tmp)  # saves already gathered stay readable: their mapping outlives the name
             raise
         if batch.has_region:
-            data.watch(fd)  # kept open: its link count says when the region is nobody's any more
+            batch.data.watch(fd)  # kept open: its link count says when the region is nobody's any more
         else:
             os.close(fd)
 
