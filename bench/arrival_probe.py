@@ -110,6 +110,24 @@ def drive(engine, requests: Requests, data: list[list[list[int]]], mode: str) ->
     return time.perf_counter() - started, tokens
 
 
+def burden(seconds: float) -> None:
+    """Every reporter job (workers/reporter.py) runs ``seconds`` of pure Python after its own work."""
+    from interlace.workers.reporter import Reporter
+
+    submit = Reporter.submit
+
+    def burdened_submit(self, job):
+        def burdened():
+            job()
+            until = time.perf_counter() + seconds
+            while time.perf_counter() < until:
+                pass
+
+        submit(self, burdened)
+
+    Reporter.submit = burdened_submit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -124,6 +142,8 @@ def main() -> None:
                         "(a CPU run of the path compiled engines take: ops in the taps)")
     parser.add_argument("--phases", action="store_true", help="time interlace's calls (closed-loop runs)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile's top N (closed-loop runs)")
+    parser.add_argument("--reporter-burden-ms", type=float, default=0.0, help="add this much pure Python (the GIL "
+                        "held) to each reporter job: what the reporter's own Python costs the engine")
     shapes.add_argument(parser)
     args = parser.parse_args()
 
@@ -132,6 +152,8 @@ def main() -> None:
     import interlace
 
     print(host_line(), flush=True)
+    if args.reporter_burden_ms:
+        burden(args.reporter_burden_ms / 1e3)
     if args.phases:
         import step_probe
 
