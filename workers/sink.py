@@ -69,10 +69,12 @@ class DirSink:
         (its region of the data file stays unused)."""
         folder = self.root / trace
         try:
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
-        except FileNotFoundError:  # the trace's first batch here
+            os.mkdir(folder)  # the trace's first batch here (a server's traces have one each)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
             folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
         try:
             batch = ReportFileWriter(fd, functools.partial(self._data_file, trace, stage), folder)
             yield batch
