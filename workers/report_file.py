@@ -268,6 +268,9 @@ class ReportFileWriter:
             offsets.append(end)
             end += _round_up(math.prod(shape) * dtype.itemsize, _ALIGN)
         if end <= ROWS_IN_HEADER or self._data_file is None:  # pickled in the header
+            # Fresh pageable memory: a copy from a GPU into it (copy_to_host) has finished when it
+            # returns, so the header, written while copies into a region may still be moving,
+            # pickles whole rows.
             return [torch.empty(tuple(shape), dtype=dtype) for shape, dtype in specs]
         self.data = self._data_file()
         start, region = self.data.region(end)
