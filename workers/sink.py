@@ -68,12 +68,7 @@ class DirSink:
         a stage reports each invoke once) when the block ends; a failure leaves no header behind
         (its region of the data file stays unused)."""
         folder = self.root / trace
-        try:
-            os.mkdir(folder)  # the trace's first batch here (a server's traces have one each)
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)  # (the data file that made it is made only for many rows)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".partial-")
         try:
             batch = ReportFileWriter(fd, functools.partial(self._data_file, trace, stage), folder)

@@ -60,7 +60,7 @@ class InvokeState:
     unlogged: str = "INTERLACE_REPLAY_LOG_MIB is 0"  # why a program keeps no write log (with writes None)
     flight: Any = None  # its program's flight recorder entry (flight.py), None if unrecorded
     printed: Printed | None = None  # what its program printed, by step
-    keys: list[str] = field(default_factory=list)  # its ops', program's and batched group's keys (Interleaver._let_go)
+    keys: list[str] = field(default_factory=list)  # its ops', program's and batched group's keys (program_copies.Loaded.let_go)
 
     # Invokes failed so far, in this process: a step tells whether any failed since the last one
     # by comparing one number, not by looking at every invoke of the batch.
