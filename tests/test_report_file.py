@@ -469,6 +469,33 @@ def test_a_gpu_process_pins_its_data_file_and_copies_into_it(tmp_path):
     on_disk.close()
 
 
+@pytest.mark.gpu
+def test_a_batch_of_few_gpu_rows_goes_in_its_header_whole(tmp_path, monkeypatch):
+    """Rows kept on the GPU, few enough for the header: gathered there and copied into pageable
+    host tensors, which are whole when the header is pickled (a copy into pageable memory returns
+    once done), so every invoke reads back exactly its rows, bfloat16 and float32 alike, and the
+    trace makes no data file."""
+    monkeypatch.setattr(report_file, "ROWS_IN_HEADER", SMALL_IN_HEADER)
+    taken = _taken()
+    expected = taken.assemble()
+    on_gpu = TakenSaves({name: [(_chunk(c.name, c.rows.cuda(), c.owners.tolist(), list(zip(c.starts.tolist(), c.stops.tolist()))), wanted)
+                                for c, wanted in parts] for name, parts in taken.parts.items()}, taken.wanted)
+    big = torch.randn(4000, 64, device="cuda")  # 256 KiB of it in the header too, with the rest
+    on_gpu.parts["big"] = [(_chunk("big", big, [1], [(0, 1024)]), np.ones(1, dtype=bool))]
+    sink = DirSink(str(tmp_path))
+    with sink.batch("t", 0) as batch:
+        saves = on_gpu.assemble(batch.allocate)
+        batch.finish([_report(i, s) for i, s in enumerate(saves)])
+    sink.close("t", 0)
+    assert not batch.has_region and not (tmp_path / DATA).exists()
+    back = read_new_reports(tmp_path / "t", set())
+    for report, want in zip(back, expected):
+        for name, value in want.items():
+            got = report["saves"][name]
+            assert got.device.type == "cpu" and got.dtype == value.dtype and torch.equal(got, value)
+    assert torch.equal(back[1]["saves"]["big"], big[:1024].cpu())
+
+
 def _mappings_of(path) -> list[str]:
     with open("/proc/self/maps") as maps:
         return [line for line in maps if str(path) in line]
