@@ -181,12 +181,14 @@ def test_a_program_that_reads_a_point_no_tap_serves_runs_eager_or_fails_clearly(
     """A program that reads a point that is not a tap in its first step keeps its steps eager and
     exact; one that first reads it in a later step, which ran at the taps, fails with the reason
     and the fix, alone."""
+    first, second = vector(23), vector(24)  # held by the programs: moved to the model's device with them
+
     def always(m):
         m.save("q", m.layers[1].self_attn.qkv_proj.output[0])
-        m.layers[1].resid += vector(23)
+        m.layers[1].resid += first
 
     def later(m):
-        m.layers[1].resid += vector(24)
+        m.layers[1].resid += second
         if m.step == 3:
             m.save("q", m.layers[1].self_attn.qkv_proj.output[0])
 
