@@ -93,9 +93,10 @@ def _install(worker, check_syncs: bool = False) -> int:
     timed(dispatch.PointDispatcher, "dispatch", "interleaver.hooks")
     timed(interleaver.Interleaver, "end_step", "interleaver.end_step")
     timed(interleaver.Interleaver, "finish", "interleaver.finish")
-    timed(reports.ReportBatcher, "submit", "  finish: a held batch handed over")
+    timed(reports.ReportBatcher, "_take", "  finish: a batch taken")
     timed(saves.SaveLedger, "take", "  finish: ledger.take")
     timed(reports, "_write_reports", "reporter: a batch written")
+    timed(reports, "_write_together", "reporter: traces' batches written together")
     timed(save_gather.TakenSaves, "assemble", "  reporter: gather and copy")
     timed(taps.Taps, "fill", "  begin_step: taps.fill")
     timed(step_schedule.StepScheduler, "_schedule_afresh", "  begin_step: batch built afresh")  # a new epoch

@@ -438,6 +438,7 @@ def install_probes() -> None:
     timed(saves.SaveLedger, "take", "reports: ledger.take")
     timed(save_gather.TakenSaves, "assemble", "reports: gather into the file (reporter)", debug_sync=False)
     timed(reports, "_write_reports", "reports: a batch, header and copies included (reporter)", debug_sync=False)
+    timed(reports, "_write_together", "reports: traces' batches together, headers and copies included (reporter)", debug_sync=False)
     timed(report_file.ReportFileWriter, "allocate", "  gather: region of the data file", debug_sync=False)
     timed(save_gather, "_plan", "  gather: plan", debug_sync=False)
     timed(save_gather, "_copy", "  gather: copies", debug_sync=False)

@@ -370,6 +370,34 @@ def test_runs_of_rows_saved_for_several_traces_go_to_each_trace_and_are_let_go_o
     assert not ledger._chunks and not ledger._runs and not ledger._open
 
 
+def test_takes_of_several_traces_assembled_together_get_each_its_own_rows_in_save_order():
+    """Traces that finish in the same step are reported as one gather (reports._write_together):
+    their takes joined (TakenSaves.together) list each chunk once with every trace's owners, keep
+    each trace's save order even where their chunks interleave (a only in the first chunk, b only
+    in the second, both after), and give each owner exactly the rows its own take assembles."""
+    ledger = SaveLedger()
+    both = TraceOwners.of(["a", "b", "c"])
+    ledger.add("a", [("h", _rows(10.0))], owners=np.array([5]), starts=np.array([0]), stops=np.array([1]), fresh=True)
+    ledger.add("b", [("h", _rows(20.0, 20.5))], owners=np.array([3]), starts=np.array([0]), stops=np.array([2]), fresh=True)
+    key = object()
+    owners = np.array([5, 3, 8])  # slots of traces a, b, c, saved together at a tap, in runs from the second step
+    for step in range(4):
+        values = torch.tensor([[[11.0 + step], [21.0 + step], [31.0 + step]]])
+        _save_step(ledger, key, both, ["h"], owners, np.arange(3), np.arange(1, 4), np.full(3, step), values, run=step > 0)
+    ledger.add("c", [("h", _rows(39.0)), ("g", _rows(1.0))], owners=np.array([8]), starts=np.array([0]),
+               stops=np.array([1]), fresh=True)
+    takes = [ledger.take(trace, [slot]) for trace, slot in (("b", 3), ("a", 5), ("c", 8))]
+    joined = TakenSaves.together(takes)
+    assert len(joined.parts["h"]) == 5  # a's, b's, the first step's, the run, c's: each chunk once
+    assert _plain(joined.assemble()) == [{"h": [20, 20.5, 21, 22, 23, 24]}, {"h": [10, 11, 12, 13, 14]},
+                                         {"h": [31, 32, 33, 34, 39], "g": [1]}]
+    assert joined.nbytes == 17 * 4 and sum(take.nbytes for take in takes) == joined.nbytes
+    assert _plain(joined.assemble()) == [_plain(take.assemble())[0] for take in takes]
+    for take in takes:
+        take.release()
+    assert not ledger._chunks and not ledger._runs
+
+
 @pytest.mark.gpu
 def test_a_run_on_the_gpu_takes_its_steps_from_the_device_room_and_gives_them_all_back():
     """A run on a GPU holds RUN_STEPS steps of the device room from its start; entered after

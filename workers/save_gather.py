@@ -52,6 +52,41 @@ class TakenSaves:
         if self.ledger is not None:
             self.ledger.release([chunk for parts in self.parts.values() for chunk, _ in parts])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows wanted."""
+        return sum(int((chunk.stops - chunk.starts)[mask].sum()) * (chunk.rows[:1].nbytes if len(chunk.rows) else 0)
+                   for parts in self.parts.values() for chunk, mask in parts)
+
+    @classmethod
+    def together(cls, takens: list["TakenSaves"]) -> "TakenSaves":
+        """Several traces' takes as one, to assemble at once (a server's one-invoke traces that
+        finish in the same step; their slots differ): each chunk listed once per name, with the
+        owners any of them wants, so rows saved for many traces at once (taps.TappedSaves, runs
+        of steps) are gathered once for all of them, not once per trace. Results come back in
+        the takes' order; releasing stays each take's own."""
+        parts: dict[str, list[tuple[SaveChunk, np.ndarray]]] = {}
+        for name in dict.fromkeys(name for taken in takens for name in taken.parts):
+            # Each take lists its chunks in save order, and all are in the order of one ledger:
+            # a chunk new here goes right after the one before it in its take, which keeps every
+            # take's order (what its owners' rows are concatenated in).
+            order: list[SaveChunk] = []
+            masks: dict[int, np.ndarray] = {}
+            for taken in takens:
+                at = 0  # where the take's next new chunk goes
+                for chunk, mask in taken.parts.get(name, ()):
+                    if id(chunk) in masks:
+                        masks[id(chunk)] = masks[id(chunk)] | mask
+                        at = next(i for i, known in enumerate(order) if known is chunk) + 1
+                    else:
+                        masks[id(chunk)] = mask
+                        order.insert(at, chunk)
+                        at += 1
+            parts[name] = [(chunk, masks[id(chunk)]) for chunk in order]
+        # the last take's events were recorded after every device copy the earlier ones wait for
+        ready = next((taken.device_ready for taken in reversed(takens) if taken.device_ready is not None), None)
+        return cls(parts, np.concatenate([taken.wanted for taken in takens]), None, ready)
+
     def assemble(self, allocate: Allocate = host_tensors,
                  meanwhile: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
         """Each owner's saves by name: rows of all its chunks, in save order, concatenated along
