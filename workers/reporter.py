@@ -8,12 +8,49 @@ at a time, in the order they were submitted.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import queue
+import re
 import threading
 from typing import Callable
 
 logger = logging.getLogger("interlace")
+
+
+def one_openmp_thread() -> None:
+    """Run torch's CPU work on the calling thread (one of interlace's own, beside the engine's)
+    with one OpenMP thread.
+
+    OpenMP keeps a team of threads per thread that starts parallel work. The first large torch op
+    on a reporter thread made a second team beside the engine's, and once a process has more
+    OpenMP threads than cores libgomp stops spinning between parallel regions: a CPU engine's
+    forward pass (thousands of small regions a step) ran at 0.57 of its speed for the rest of the
+    process, plain vLLM's beside it too (2-core CPU, 2026-12-05). ``torch.set_num_threads`` is
+    not the way: it also sets the count torch keeps for the whole process, which slowed the
+    engine alike. So the runtime's own per-thread setting, ``omp_set_num_threads``, in every
+    OpenMP library this process loaded (torch's, and others' that libraries bundle, such as
+    sentencepiece's: this thread starts no team in any of them)."""
+    for set_threads in _openmp_set_num_threads():
+        set_threads(1)
+
+
+@functools.cache
+def _openmp_set_num_threads() -> tuple:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps
+                     if re.match(r"lib(gomp|iomp5|omp)([.-]|$)", line.rsplit("/", 1)[-1])}
+    except OSError:  # not Linux
+        return ()
+    setters = []
+    for path in sorted(paths):  # libgomp, libiomp5 or libomp: the same call
+        try:
+            setters.append(ctypes.CDLL(path).omp_set_num_threads)
+        except (OSError, AttributeError):
+            continue
+    return tuple(setters)
 
 
 class Reporter:
@@ -31,6 +68,7 @@ class Reporter:
         self._jobs.put(job)
 
     def _loop(self) -> None:
+        one_openmp_thread()
         if self._device is not None and self._device.type == "cuda":
             import torch
 
@@ -42,3 +80,4 @@ class Reporter:
             except Exception:  # noqa: BLE001 - a job reports its own failures; this is a last resort
                 logger.exception("interlace: a report could not be written")
             job = None  # let go of its saves (pinned chunks, the file mapping) while idle
+

@@ -26,6 +26,7 @@ import torch
 
 from interlace.workers.points import device_index
 from interlace.workers.report_file import copy_to_host
+from interlace.workers.reporter import one_openmp_thread
 
 if TYPE_CHECKING:
     from interlace.workers.saves import SaveChunk, SaveLedger
@@ -241,7 +242,8 @@ def _copy(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
         _copy_run(copies)
         return
     if _copy_pool is None:
-        _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="interlace-gather")
+        _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="interlace-gather",
+                                        initializer=one_openmp_thread)
     cuts = np.searchsorted(ends, np.arange(1, _COPY_THREADS) * total / _COPY_THREADS).tolist()
     runs = [copies[a:b] for a, b in zip([0, *cuts], [*cuts, len(copies)]) if b > a]
     for done in [_copy_pool.submit(_copy_run, run) for run in runs]:
