@@ -24,10 +24,11 @@ def one_openmp_thread() -> None:
     with one OpenMP thread.
 
     OpenMP keeps a team of threads per thread that starts parallel work. The first large torch op
-    on a reporter thread made a second team beside the engine's, and once a process has more
-    OpenMP threads than cores libgomp stops spinning between parallel regions: a CPU engine's
-    forward pass (thousands of small regions a step) ran at 0.57 of its speed for the rest of the
-    process, plain vLLM's beside it too (2-core CPU, 2026-12-05). ``torch.set_num_threads`` is
+    on a reporter thread made a second team beside the engine's, and a CPU engine's forward pass
+    (thousands of small parallel regions a step) then ran at 0.57 of its speed for the rest of the
+    process, plain vLLM's beside it too (2-core CPU, 2026-12-05). The likely cause is libgomp's
+    documented throttling: with more OpenMP threads than cores its threads spin 100 times, not
+    300,000, before they sleep between regions (GOMP_SPINCOUNT). ``torch.set_num_threads`` is
     not the way: it also sets the count torch keeps for the whole process, which slowed the
     engine alike. So the runtime's own per-thread setting, ``omp_set_num_threads``, in every
     OpenMP library this process loaded (torch's, and others' that libraries bundle, such as
