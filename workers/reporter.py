@@ -33,6 +33,9 @@ def one_openmp_thread() -> None:
     engine alike. So the runtime's own per-thread setting, ``omp_set_num_threads``, in every
     OpenMP library this process loaded (torch's, and others' that libraries bundle, such as
     sentencepiece's: this thread starts no team in any of them)."""
+    import torch  # (loaded already by whoever starts this thread: a rank)
+
+    torch.get_num_threads()  # torch sets up this thread's OpenMP count once, at its first use: first
     for set_threads in _openmp_set_num_threads():
         set_threads(1)
 
