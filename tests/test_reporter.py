@@ -5,16 +5,19 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 # In a process of its own: a test process has other threads coming and going (its engines',
 # Ray's, earlier tests' helpers), which a count of the process's threads would take for OpenMP's.
 _PROBE = """
-import os, threading, torch
+import os, sys, threading, torch
 from interlace.workers.reporter import Reporter
 
 def threads():
     return set(os.listdir("/proc/self/task"))
 
-torch.set_num_threads(2)
+if sys.argv[1] != "unset":  # torch's process-wide count, as an engine may have set it
+    torch.set_num_threads(int(sys.argv[1]))
 torch.zeros(1 << 22).add_(1)  # this thread's team (the engine's), started now
 before = threads()
 seen, done = [], threading.Event()
@@ -31,10 +34,11 @@ print(len(seen[0] - before))
 """
 
 
-def test_a_large_torch_op_in_a_report_job_starts_no_openmp_threads():
+@pytest.mark.parametrize("torch_threads", ["unset", "1", "2"])
+def test_a_large_torch_op_in_a_report_job_starts_no_openmp_threads(torch_threads):
     """A report job's large gather runs on the reporter's thread alone. A second OpenMP team (one
     per thread that starts parallel work) beside the engine's left more OpenMP threads than cores,
     and a CPU engine then ran at 0.57 of its speed for the rest of the process (reporter.py)."""
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _PROBE, torch_threads], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1"]  # the reporter's own thread, nothing else
