@@ -58,5 +58,19 @@ case "${1:-}" in
         | tee -a "${OUT:-/tmp}/ab-runner-$name.log" | grep -e '^host' -e '^{' -e '^case' -e '^none' -e '^ops' -e '^prog' -e 'Error' || true
       extra=0
     done ;;
-  *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" >&2; exit 2 ;;
+  script)
+    # Any bench script the same way, its arguments after its name; each process's last lines are
+    # printed (logs: $OUT/ab-<script>-<name>.log). E.g. the reports job's path through a Cluster:
+    #   bash bench/ab_revisions.sh script "tree 3d31ca4 tree 3d31ca4" path_probe.py --shape 1b --traces 2 --cases serve
+    names=$2 script=$3
+    shift 3
+    extra=${FIRST_EXTRA_S:-200}
+    for name in $names; do
+      echo "=== $name $(date +%T)"
+      PYTHONPATH=/tmp/site:$(lib "$name") timeout -s INT -k 30 $(( ${PER_RUN_S:-240} + extra )) python3 "bench/$script" "$@" \
+          2>&1 | quiet | tee -a "${OUT:-/tmp}/ab-${script%.py}-$name.log" | tail -n "${TAIL_LINES:-20}" || true
+      extra=0
+    done ;;
+  *) echo "usage: bench/ab_revisions.sh prepare REV... | run 'NAME ...' [cases] | runner 'NAME ...' [cases] [repeats]" \
+          "| script 'NAME ...' SCRIPT.py [its arguments]" >&2; exit 2 ;;
 esac
