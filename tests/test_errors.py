@@ -176,6 +176,28 @@ def test_a_save_that_cannot_be_written_fails_its_invoke_only(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_a_save_or_share_name_that_is_not_a_string_fails_its_invoke_only(llama, oracles):
+    """Results, the endpoint's answers and a sweep's files are keyed by these names: an int name
+    passed a local trace, then failed the endpoint's answer (its schema wants strings) or, in a
+    sweep, every prompt of the shard (``name.startswith``). Now the program's own line fails, in
+    its invoke alone; a string of another type (numpy's) comes back as a plain one."""
+    import numpy as np
+
+    with pytest.raises(interlace.InterventionError, match=r"save\(\) name must be a non-empty string, got 3 \(int\)") as err:
+        with llama.trace(max_tokens=2) as tr:
+            tr.invoke(PROMPT, program=lambda m: m.save(3, m.layers[0].resid))
+            tr.invoke(PROMPT, program=lambda m: m.save("resid", m.layers[0].resid))
+    assert err.value.partial[1].saves["resid"].shape[0] == len(oracles["tiny-llama"].ids(PROMPT)) + 1
+    for bad in ("", ("a", 1)):
+        with pytest.raises(interlace.InterventionError, match=r"share\(\) name must be a non-empty string"):
+            llama.generate(PROMPT, program=lambda m, bad=bad: m.share(bad, 1.0))
+    with pytest.raises(TypeError, match="save name must be a string, or None for the point.s own, got 3"):
+        ops.save("layers.1.resid", name=3)
+    [name] = llama.generate(PROMPT, program=lambda m: m.save(np.str_("h"), m.layers[0].resid)).saves
+    assert name == "h" and type(name) is str
+    _still_serves(llama, oracles)
+
+
 def test_wrong_module_names(llama, oracles):
     with pytest.raises(interlace.InterventionError, match=r"no module 'mlpp' under 'layers.1'.*'mlp'"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].mlpp.output)

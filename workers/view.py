@@ -195,6 +195,7 @@ class ProgramView:
         per invoke). Saving one name at several steps concatenates tensors along dim 0, so a
         residual saved at every step is the whole sequence's residual; other values become a list.
         """
+        name = check_name("save", name)
         if not self._call.replaying:  # an earlier pipeline stage made this save already
             self._ctx.services.save(self._ctx, name, value)
 
@@ -203,6 +204,7 @@ class ProgramView:
 
         ``merge``: "append" (a list in invoke order), "sum", "mean", "max", or "concat" / "concat:D".
         """
+        name = check_name("share", name)
         if not self._call.replaying:
             self._ctx.services.share(self._ctx, name, value, merge)
 
@@ -293,6 +295,17 @@ class ProgramView:
         write = self._pending_write
         object.__setattr__(self, "_pending_write", None)
         return write
+
+
+def check_name(what: str, name: Any) -> str:
+    """A save's or shared value's name as a plain string; anything but a non-empty string is
+    refused: results, the endpoint's answers and a sweep's files are keyed by it (an int name
+    passed a local trace, then failed the endpoint's answer or a whole sweep shard, far from the
+    program that chose it)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what}() name must be a non-empty string, got {name!r} ({type(name).__name__}); "
+                        f"e.g. m.{what}('resid2', value)")
+    return str(name)
 
 
 def check_forced_tokens(value: Any, vocab_size: int) -> None:

@@ -31,7 +31,9 @@ Tokens = str | Iterable[int]
 
 def save(point: str, name: str | None = None, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
     """Save ``point`` into each invoke's ``saves[name or point]`` (steps concatenate along dim 0)."""
-    return _op("save", point, tokens, steps, name=name or point)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"save name must be a string, or None for the point's own, got {name!r} ({type(name).__name__})")
+    return _op("save", point, tokens, steps, name=str(name) if name else point)
 
 
 def add(point: str, vector: torch.Tensor, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
