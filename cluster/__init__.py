@@ -5,7 +5,8 @@
 - engines (:mod:`~interlace.cluster.engine`): start a vLLM engine with the worker extension;
 - the trace path every target shares: :mod:`~interlace.cluster.shards` splits a trace across
   replicas, :mod:`~interlace.cluster.assembly` turns invokes into vLLM requests and reports into
-  results, :mod:`~interlace.cluster.merge` is the one merge function for shared values;
+  results with the one merge function for shared values (:mod:`interlace.core.merge`, which
+  programs' ``m.share`` checks its merge against in the engine);
 - Ray: engine replicas as actors (:mod:`~interlace.cluster.replica`) on placement groups
   (:mod:`~interlace.cluster.placement`), the collector actor (:mod:`~interlace.cluster.collector`),
   and the janitor that removes a dead replica's report folders (:mod:`~interlace.cluster.janitor`);

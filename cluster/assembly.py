@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from interlace.cluster.merge import MergeError, merge_shared
+from interlace.core.merge import MergeError, merge_shared
 from interlace.core.trace import InterventionError, Invoke, InvokeResult, TraceResult, payload_bytes
 from interlace.core.wire import Completion, ErrorRecord, InvokePayload, Report, printed_text
 from interlace.workers.scheduler import GANG_KEY, PROGRAM_KEY, WHOLE_PROMPT_KEY

@@ -18,7 +18,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from interlace.cluster.merge import MergeError, merge_shared
+from interlace.core.merge import MergeError, merge_shared
 from interlace.core.wire import Report
 
 Key = tuple[int, int]  # (invoke, stage)

@@ -198,6 +198,20 @@ def test_a_save_or_share_name_that_is_not_a_string_fails_its_invoke_only(llama, 
     _still_serves(llama, oracles)
 
 
+def test_a_share_with_an_unknown_merge_fails_at_its_line_before_the_trace_runs_on(llama, oracles):
+    """The merge is checked at ``m.share``, in the step that made it: before, it failed only once
+    every invoke had reported, after the whole generation. A known merge with a dim still merges."""
+    with pytest.raises(interlace.InterventionError, match=r"failed at step 0.*unknown merge 'bogus'; choose one of"):
+        llama.generate(PROMPT, max_tokens=4, program=lambda m: m.share("x", m.layers[0].resid, merge="bogus"))
+    with pytest.raises(interlace.InterventionError, match=r"unknown merge 'sum:1'"):
+        llama.generate(PROMPT, program=lambda m: m.share("x", 1.0, merge="sum:1"))
+    with llama.trace(max_tokens=1) as tr:
+        for _ in range(2):
+            tr.invoke(PROMPT, program=lambda m: m.share("last", m.last(m.layers[0].resid), merge="concat:1"))
+    assert tr.result.shared["last"].shape == (1, 2 * oracles["tiny-llama"].model.config.hidden_size)
+    _still_serves(llama, oracles)
+
+
 def test_wrong_module_names(llama, oracles):
     with pytest.raises(interlace.InterventionError, match=r"no module 'mlpp' under 'layers.1'.*'mlp'"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].mlpp.output)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from interlace.core.merge import check_merge
 from interlace.workers.points import MAILBOX, Point
 
 
@@ -204,7 +205,7 @@ class ProgramView:
 
         ``merge``: "append" (a list in invoke order), "sum", "mean", "max", or "concat" / "concat:D".
         """
-        name = check_name("share", name)
+        name, merge = check_name("share", name), check_merge(merge)
         if not self._call.replaying:
             self._ctx.services.share(self._ctx, name, value, merge)
 

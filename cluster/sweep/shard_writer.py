@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from interlace.cluster.merge import merge_values
+from interlace.core.merge import merge_values
 from interlace.cluster.replica import Replica
 from interlace.cluster.sweep.store import SweepStore, attempt_stem
 from interlace.cluster.sweep.tensor_file import joined_shape

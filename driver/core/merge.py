@@ -16,6 +16,15 @@ import torch
 
 MERGES = ("append", "sum", "mean", "max", "concat")
 
+
+def check_merge(how: str) -> str:
+    """``how`` if it names a merge (``concat`` may take a dim, ``concat:1``), else a ValueError
+    that lists them: a program's ``m.share`` is checked at its line, before the trace runs on."""
+    kind, colon, arg = how.partition(":") if isinstance(how, str) else ("", "", "")
+    if kind in MERGES and (not colon or (kind == "concat" and arg.lstrip("-").isdigit())):
+        return how
+    raise ValueError(f"unknown merge {how!r}; choose one of {list(MERGES)} (concat takes ':dim', e.g. 'concat:1')")
+
 Contribution = tuple[int, str, str, Any]  # (invoke index, name, merge, value)
 
 
@@ -64,7 +73,7 @@ def _described(items: list[tuple[int, str, Any]], most: int = 8) -> str:
 
 
 def merge_values(values: list[Any], how: str) -> Any:
-    kind, _, arg = how.partition(":")
+    kind, _, arg = check_merge(how).partition(":")
     if kind == "append":
         return list(values)
     if kind == "sum":
@@ -73,9 +82,7 @@ def merge_values(values: list[Any], how: str) -> Any:
         return _reduce(values, lambda a, b: a + b) / len(values)
     if kind == "max":
         return _reduce(values, lambda a, b: torch.maximum(a, b) if isinstance(a, torch.Tensor) else max(a, b))
-    if kind == "concat":
-        return torch.cat([torch.as_tensor(v) for v in values], dim=int(arg or 0))
-    raise ValueError(f"unknown merge {how!r}; choose one of {list(MERGES)} (concat takes ':dim', e.g. 'concat:1')")
+    return torch.cat([torch.as_tensor(v) for v in values], dim=int(arg or 0))  # concat
 
 
 def _reduce(values: list[Any], fn) -> Any:
