@@ -212,6 +212,16 @@ def test_a_share_with_an_unknown_merge_fails_at_its_line_before_the_trace_runs_o
     _still_serves(llama, oracles)
 
 
+def test_an_op_value_of_the_wrong_shape_fails_its_invoke_naming_the_sizes_that_fit(llama, oracles):
+    """torch's own message named neither the op nor what would fit."""
+    hidden = oracles["tiny-llama"].model.config.hidden_size
+    for op in (ops.add("layers.1.resid", torch.ones(7)), ops.replace("layers.1.resid", torch.ones(2, 3))):
+        with pytest.raises(interlace.InterventionError, match=rf"op {op['op']} at layers.1.resid: ValueError: {op['op']}: a "
+                                                              rf"value of shape \(.*\) does not broadcast .* give {hidden} values"):
+            llama.generate(PROMPT, max_tokens=2, ops=[op])
+    _still_serves(llama, oracles)
+
+
 def test_wrong_module_names(llama, oracles):
     with pytest.raises(interlace.InterventionError, match=r"no module 'mlpp' under 'layers.1'.*'mlp'"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].mlpp.output)

@@ -248,12 +248,17 @@ def selected_nothing(op: dict, prompt_len: int, num_positions: int) -> str:
 def apply(op: dict, value: torch.Tensor) -> torch.Tensor:
     """The new rows for an editing op, given the point's selected rows ``value`` (dim 0)."""
     kind = op["op"]
-    if kind == "add":
-        return value + op["value"].to(value.device, value.dtype)
-    if kind == "scale":
-        return value * op["value"]
-    if kind == "replace":
-        return op["value"].to(value.device, value.dtype).expand_as(value).clone()
+    try:
+        if kind == "add":
+            return value + op["value"].to(value.device, value.dtype)
+        if kind == "scale":
+            return value * op["value"]
+        if kind == "replace":
+            return op["value"].to(value.device, value.dtype).expand_as(value).clone()
+    except RuntimeError as exc:  # torch's "the size of tensor a (128) must match ...": say which sizes fit
+        given = tuple(op["value"].shape) if isinstance(op["value"], torch.Tensor) else op["value"]
+        raise ValueError(f"{kind}: a value of shape {given} does not broadcast to the point's rows, of shape "
+                         f"{tuple(value.shape)}; give {value.shape[-1]} values (one per feature) or one") from exc
     if kind == "zero":
         return torch.zeros_like(value)
     raise ValueError(f"unknown op {kind!r}; expected one of {OP_KINDS}")
