@@ -4,5 +4,7 @@
 - :mod:`interlace.core.trace`: the trace data model (invokes, results, errors) and its checks;
 - :mod:`interlace.core.wire`: the typed messages that cross process boundaries;
 - :mod:`interlace.core.ops`: declarative ops as data (public as ``interlace.ops``);
+- :mod:`interlace.core.merge`: the one merge of trace-shared values (the driver's and the collector's),
+  and the list of merges ``m.share`` is checked against in the engine;
 - :mod:`interlace.core.tiny_models`: the embedded tiny models, built locally.
 """
