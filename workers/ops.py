@@ -245,6 +245,13 @@ def selected_nothing(op: dict, prompt_len: int, num_positions: int) -> str:
     )
 
 
+def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, to) == to
+    except RuntimeError:
+        return False
+
+
 def apply(op: dict, value: torch.Tensor) -> torch.Tensor:
     """The new rows for an editing op, given the point's selected rows ``value`` (dim 0)."""
     kind = op["op"]
@@ -256,9 +263,11 @@ def apply(op: dict, value: torch.Tensor) -> torch.Tensor:
         if kind == "replace":
             return op["value"].to(value.device, value.dtype).expand_as(value).clone()
     except RuntimeError as exc:  # torch's "the size of tensor a (128) must match ...": say which sizes fit
-        given = tuple(op["value"].shape) if isinstance(op["value"], torch.Tensor) else op["value"]
-        raise ValueError(f"{kind}: a value of shape {given} does not broadcast to the point's rows, of shape "
-                         f"{tuple(value.shape)}; give {value.shape[-1]} values (one per feature) or one") from exc
+        given = op["value"]
+        if isinstance(given, torch.Tensor) and not _broadcasts(given.shape, value.shape):
+            raise ValueError(f"{kind}: a value of shape {tuple(given.shape)} does not broadcast to the point's rows, "
+                             f"of shape {tuple(value.shape)}; give {value.shape[-1]} values (one per feature) or one") from exc
+        raise  # another failure (out of memory, say): as it is
     if kind == "zero":
         return torch.zeros_like(value)
     raise ValueError(f"unknown op {kind!r}; expected one of {OP_KINDS}")

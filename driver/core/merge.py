@@ -16,6 +16,8 @@ import torch
 
 MERGES = ("append", "sum", "mean", "max", "concat")
 
+Contribution = tuple[int, str, str, Any]  # (invoke index, name, merge, value)
+
 
 def check_merge(how: str) -> str:
     """``how`` if it names a merge (``concat`` may take a dim, ``concat:1``), else a ValueError
@@ -24,8 +26,6 @@ def check_merge(how: str) -> str:
     if kind in MERGES and (not colon or (kind == "concat" and arg.lstrip("-").isdigit())):
         return how
     raise ValueError(f"unknown merge {how!r}; choose one of {list(MERGES)} (concat takes ':dim', e.g. 'concat:1')")
-
-Contribution = tuple[int, str, str, Any]  # (invoke index, name, merge, value)
 
 
 class MergeError(ValueError):
