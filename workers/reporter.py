@@ -84,4 +84,3 @@ class Reporter:
             except Exception:  # noqa: BLE001 - a job reports its own failures; this is a last resort
                 logger.exception("interlace: a report could not be written")
             job = None  # let go of its saves (pinned chunks, the file mapping) while idle
-
