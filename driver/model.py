@@ -253,11 +253,25 @@ class Trace:
         self.timeout_s = timeout_s
         self.max_save_bytes = max_save_bytes
         self.invokes: list[Invoke] = []
-        self.result: TraceResult | None = None
+        self._result: TraceResult | None = None
+
+    @property
+    def result(self) -> TraceResult:
+        """What the trace's run gave: one :class:`InvokeResult` per invoke (``result[i]``) and its
+        shared values. Read before the run (inside the ``with`` block), or after a failed one, it
+        raises rather than give None, which failed later and far from the cause."""
+        if self._result is None:
+            raise RuntimeError("the trace has no result yet: it runs when its with block ends (or at tr.run(); "
+                               "a trace given to submit() has its result in the future submit returned); if the run "
+                               "raised, that error says why")
+        return self._result
 
     def invoke(self, prompt: str | list[int], program: Callable | None = None,
                ops: Iterable[dict] = (), steps: Iterable[int] | None = None) -> int:
         """Add a prompt (text or token ids) with an optional program and ops; returns its index."""
+        if self._result is not None:  # it would not run, and tr.result would silently lack it
+            raise RuntimeError("the trace has run already (its with block ended): an invoke added now would not run; "
+                               "add invokes inside the with block, or start a new trace for more")
         if not isinstance(prompt, (str, list, tuple)) or (not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt)):
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if program is not None:
@@ -269,12 +283,12 @@ class Trace:
         if not self.invokes:
             raise ValueError("the trace has no invokes; add one with tr.invoke(prompt, ...)")
         try:
-            self.result = self.target._run(self)
+            self._result = self.target._run(self)
         except InterventionError as exc:  # what the programs printed helps most here
             echo_printed(exc.partial)
             raise
-        echo_printed(self.result)
-        return self.result
+        echo_printed(self._result)
+        return self._result
 
     @property
     def model(self) -> "Model":

@@ -305,6 +305,25 @@ def test_malformed_requests_are_refused_on_the_driver(llama):
         llama.generate(PROMPT, ops=[{"op": "zero", "point": "layers.1.resid"}])
 
 
+def test_a_trace_has_no_result_before_it_runs_and_takes_no_invoke_after(llama):
+    """Reading ``tr.result`` inside the with block gave None (a TypeError later, far from the
+    cause), and an invoke added after the block silently never ran."""
+    with llama.trace(max_tokens=2) as tr:
+        tr.invoke(PROMPT)
+        with pytest.raises(RuntimeError, match="no result yet: it runs when its with block ends"):
+            tr.result
+    with pytest.raises(RuntimeError, match="has run already .* an invoke added now would not run"):
+        tr.invoke("Another prompt")
+    assert len(tr.result) == 1 and tr.result[0].token_ids
+    assert tr.run()[0].token_ids == tr.result[0].token_ids  # run again: the same invokes
+    with pytest.raises(interlace.InterventionError):  # a failed run leaves no result to read
+        with llama.trace(max_tokens=2) as failed:
+            failed.invoke(PROMPT, program=lambda m: 1 / 0)
+    with pytest.raises(RuntimeError, match="if the run raised, that error says why"):
+        failed.result
+    assert llama.generate(PROMPT, max_tokens=2).token_ids
+
+
 def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):
     import types
 
