@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -203,6 +204,10 @@ class Cluster:
         if self._closed:
             raise RuntimeError("this cluster is closed; make a new interlace.Cluster(...)")
         check_trace(trace.invokes, trace.settings, self.tree)  # the very checks Model makes
+        # What runs is the trace as submitted: an invoke added to it afterwards (building the next
+        # trace from it) belongs to that one; read while this one ran, it failed it with an IndexError.
+        trace = copy.copy(trace)
+        trace.invokes = list(trace.invokes)
         trace_id = new_trace_id()
         payloads = encode_payloads(trace.invokes, trace_id, "", trace.timeout_s, trace.max_save_bytes)
         self._queue.acquire()
@@ -308,7 +313,7 @@ class Cluster:
                 await self._tell_collector("retry", task.trace, task.expected(), attempt)
             slot = await self._acquire(size)
             try:
-                out = await slot.actor.run.remote(task)
+                out = await _cancelled_with_caller(slot.actor.run.remote(task))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                 self._replica_failed(slot)
                 lost += 1
@@ -390,7 +395,8 @@ class Cluster:
             "replicas": [{"index": s.index, "state": s.state, "node": s.node, "pid": s.pid,
                           "in_flight": s.in_flight, "restarts": s.restarts, "shards_served": s.shards}
                          for s in self._replicas],
-            "queued": self._held - sum(s.in_flight for s in self._replicas),
+            # a cancelled trace leaves ``held`` at once and its replica's slot when its task unwinds
+            "queued": max(0, self._held - sum(s.in_flight for s in self._replicas)),
             "held": self._held,
             "reruns": self._reruns,
             "lost_to_programs": {"culprits": self._culprits, "reruns": self._innocent_reruns},
@@ -442,6 +448,20 @@ def _saves_on_node(reports) -> dict | None:
             found[folder, raw["invoke"], raw["stage"]] = raw["saves"]
         discard(Path(folder))
     return found
+
+
+async def _cancelled_with_caller(ref):
+    """``await ref`` (a replica's ``run``), cancelling the actor's task when the awaiting task is
+    cancelled (the trace's future cancelled, the cluster closed): the replica then aborts the
+    shard's requests. Cancelling the await alone leaves the remote task running, and its engine
+    generated the whole shard for nobody while later traces waited for its room."""
+    import ray
+
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        ray.cancel(ref)
+        raise
 
 
 async def _cancel_tasks() -> None:

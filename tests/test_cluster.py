@@ -185,6 +185,40 @@ def test_a_thousand_traces_never_exceed_the_in_flight_bound(cluster):
     assert cluster.status()["held"] == 0
 
 
+def _replicas_running(cluster) -> int:
+    return sum(info["in_flight"] for info in cluster.replica_info())
+
+
+def test_a_cancelled_future_stops_its_shard_and_a_trace_runs_as_submitted(cluster, llama):
+    """``future.cancel()`` used to leave the replica generating the whole shard for nobody; an
+    invoke added to a submitted trace failed it with an IndexError."""
+    def slow(m):
+        time.sleep(0.05)  # 400 steps: 20 s unless the replica aborts the shard
+
+    tr = cluster.trace(max_tokens=400, ignore_eos=True)
+    tr.invoke("Cancel me", program=slow)
+    future = cluster.submit(tr)
+    deadline = time.monotonic() + 60
+    while not _replicas_running(cluster):
+        assert time.monotonic() < deadline, "the shard never started"
+        time.sleep(0.05)
+    assert future.cancel()
+    assert cluster.status()["queued"] >= 0
+    stopped = time.monotonic() + 5
+    while _replicas_running(cluster):
+        assert time.monotonic() < stopped, "the replica still runs the cancelled trace's shard"
+        time.sleep(0.1)
+    assert cluster.status()["held"] == 0
+
+    first = cluster.trace(max_tokens=3)
+    first.invoke("First prompt")
+    submitted = cluster.submit(first)
+    first.invoke("Second prompt")  # the next trace's, not the one in flight
+    assert [r.token_ids for r in submitted.result(timeout=120)] == [llama.generate("First prompt", max_tokens=3).token_ids]
+    both = cluster.submit(first).result(timeout=120)
+    assert [r.token_ids for r in both] == [llama.generate(p, max_tokens=3).token_ids for p in ("First prompt", "Second prompt")]
+
+
 def test_the_cluster_refuses_what_a_model_refuses_before_sending(cluster, llama):
     import ray
 
