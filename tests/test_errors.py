@@ -198,6 +198,24 @@ def test_a_save_or_share_name_that_is_not_a_string_fails_its_invoke_only(llama, 
     _still_serves(llama, oracles)
 
 
+def test_saving_the_model_view_or_a_module_fails_at_its_line(llama, oracles):
+    """``m.save("m", m)`` failed the invoke only at its report, with pickle's "Can't pickle local
+    object 'install.<locals>.begin_step'"; now at the program's line, saying what to save."""
+    for program in (lambda m: m.save("m", m), lambda m: m.share("layer", m.layers[1])):
+        with pytest.raises(interlace.InterventionError, match=r"takes a value .* not <module|takes a value .* not <interlace") as err:
+            llama.generate(PROMPT, program=program, max_tokens=2)
+        assert "pickle" not in str(err.value)
+    _still_serves(llama, oracles)
+
+
+def test_program_steps_that_never_run_are_refused_before_the_trace_is_sent(llama):
+    """A program's ``steps=[-1]`` (or past max_tokens) ran the trace with the program never called."""
+    for steps in ([-1], [0, 3]):
+        with pytest.raises(ValueError, match=r"program steps \[(-1|3)\] never run in a trace with max_tokens=3"):
+            llama.generate(PROMPT, program=lambda m: None, steps=steps, max_tokens=3)
+    assert llama.generate(PROMPT, program=lambda m: m.save("s", m.step), steps=[2], max_tokens=3).saves["s"] == 2
+
+
 def test_a_share_with_an_unknown_merge_fails_at_its_line_before_the_trace_runs_on(llama, oracles):
     """The merge is checked at ``m.share``, in the step that made it: before, it failed only once
     every invoke had reported, after the whole generation. A known merge with a dim still merges."""

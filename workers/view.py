@@ -197,6 +197,8 @@ class ProgramView:
         residual saved at every step is the whole sequence's residual; other values become a list.
         """
         name = check_name("save", name)
+        if isinstance(value, (Node, ProgramView)):
+            raise TypeError(_NOT_A_VALUE.format(what="save", value=value))
         if not self._call.replaying:  # an earlier pipeline stage made this save already
             self._ctx.services.save(self._ctx, name, value)
 
@@ -206,6 +208,8 @@ class ProgramView:
         ``merge``: "append" (a list in invoke order), "sum", "mean", "max", or "concat" / "concat:D".
         """
         name, merge = check_name("share", name), check_merge(merge)
+        if isinstance(value, (Node, ProgramView)):
+            raise TypeError(_NOT_A_VALUE.format(what="share", value=value))
         if not self._call.replaying:
             self._ctx.services.share(self._ctx, name, value, merge)
 
@@ -296,6 +300,11 @@ class ProgramView:
         write = self._pending_write
         object.__setattr__(self, "_pending_write", None)
         return write
+
+
+# m and its modules live in the engine: saved, they failed the invoke at its report, unpicklable
+_NOT_A_VALUE = ("{what}() takes a value (a tensor, a number, a list...), not {value!r}: {what} what you read "
+                "from it, e.g. m.{what}('h', m.layers[1].resid)")
 
 
 def check_name(what: str, name: Any) -> str:

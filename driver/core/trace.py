@@ -274,8 +274,13 @@ def check_trace(invokes: list[Invoke], settings: dict, tree) -> None:
     if settings.get("n", 1) != 1:  # vLLM would return n sequences where a result holds one
         raise ValueError(f"n={settings['n']}: each invoke generates one sequence, with its own result; for several "
                          "samples of one prompt, invoke it several times (with a temperature each samples its own)")
+    max_tokens = settings.get("max_tokens")
     for inv in invokes:
-        check_ops(inv.ops, tree, settings.get("max_tokens"))
+        check_ops(inv.ops, tree, max_tokens)
+        never = _never_run(inv.steps or (), max_tokens)
+        if never:  # the program would silently never run at them
+            raise ValueError(f"program steps {never} never run in a trace with max_tokens={max_tokens} "
+                             f"(steps 0-{max_tokens - 1}; 0 is the prompt); raise max_tokens or select steps that run")
 
 
 def check_ops(ops: Iterable[dict], tree, max_tokens: int | None = None) -> None:
@@ -286,7 +291,7 @@ def check_ops(ops: Iterable[dict], tree, max_tokens: int | None = None) -> None:
         if not isinstance(op, dict) or "op" not in op or "key" not in op:  # the key batches equal ops
             raise TypeError(f"ops must be made with interlace.ops (save, add, ...), got {op!r}")
         tree.op_point(op["point"])
-        never = [s for s in op.get("steps") or () if max_tokens is not None and not 0 <= s < max_tokens]
+        never = _never_run(op.get("steps") or (), max_tokens)
         if never:
             raise ValueError(
                 f"op {op['op']} at {op['point']}: steps {never} never run in a trace with "
@@ -294,3 +299,7 @@ def check_ops(ops: Iterable[dict], tree, max_tokens: int | None = None) -> None:
                 "or select steps that run"
             )
 
+
+def _never_run(steps: Iterable[int], max_tokens: int | None) -> list:
+    """The steps of ``steps`` that a trace of ``max_tokens`` never runs (it runs 0 to max_tokens - 1)."""
+    return [s for s in steps if max_tokens is not None and not 0 <= s < max_tokens]
