@@ -253,6 +253,26 @@ def test_a_shard_sent_again_after_its_commit_returns_the_committed_record_withou
     assert committed_record(store, 5) is None
 
 
+def test_an_absent_column_or_an_op_on_a_missing_module_stops_the_sweep_with_one_message(ray_cluster, tmp_path):
+    """A column no input has failed every prompt, one by one, after the engines started; an op on a
+    module the model lacks failed each engine replica's start (Ray Data retried it, printing
+    hundreds of lines of tracebacks, before the sweep died)."""
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"prompt {i}"} for i in range(8)])
+    one = {**CLUSTER, "replicas": 1}
+    fields = dict(output="out", shard_size=4, generation={"max_tokens": 2})
+    save = {"ops": [{"op": "save", "point": "layers.1.resid", "tokens": "last"}]}
+    cfg = SweepConfig.load(write_config(tmp_path, "column", cluster=one, input={"paths": ["prompts.jsonl"], "column": "text"},
+                                        intervention=save, **fields))
+    with pytest.raises(ValueError, match=r"the input has no column 'text' \(its columns: \['prompt'\]\)"):
+        run_sweep(cfg)
+    assert not ray_engines()  # refused before any engine started
+    missing = {"ops": [{"op": "save", "point": "layers.9.resid", "tokens": "last"}]}
+    cfg = SweepConfig.load(write_config(tmp_path, "module", cluster=one, input={"paths": ["prompts.jsonl"]},
+                                        intervention=missing, **fields))
+    with pytest.raises(SweepStopped, match=r"cannot run on this model: no module '9' under 'layers'"):
+        run_sweep(cfg)
+
+
 # --- a program: failing prompts and malformed rows per prompt, max_failures, resume -----------------
 
 

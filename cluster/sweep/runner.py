@@ -151,6 +151,9 @@ def read_prompts(cfg: SweepInput) -> list[PromptRow]:
             table = pa.concat_tables(ray.get(refs), promote_options="permissive")
         finally:
             context.execution_options.preserve_order = before
+    if table.num_rows and cfg.column not in table.column_names:  # every row would fail, after engines started
+        raise ValueError(f"the input has no column {cfg.column!r} (its columns: {table.column_names}); "
+                         "set input.column to the one holding the prompts")
     values = table.column(cfg.column).to_pylist() if cfg.column in table.column_names else [None] * table.num_rows
     order = list(range(table.num_rows))
     if cfg.shuffle_seed is not None:

@@ -130,7 +130,7 @@ class ShardRunner:
     def _check_ops(self, module_names: list[str]) -> str | None:
         try:
             check_ops(self.plan.ops, ModuleTree(names=module_names), self.plan.settings["max_tokens"])
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:  # AttributeError: a module the model lacks
             return f"the sweep's ops cannot run on this model: {exc}"
         return None
 
