@@ -34,6 +34,7 @@ from interlace.cluster.assembly import ReportsMissing, ReportWatcher, assemble, 
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine import all_module_names, refuse_graph_settings, shutdown_engine, start_engine
 from interlace.core import settings as interlace_settings
+from interlace.core.ops import step_list
 from interlace.core.trace import (
     Invoke,
     InterventionError,
@@ -276,7 +277,7 @@ class Trace:
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if program is not None:
             check_program(program)
-        self.invokes.append(Invoke(prompt, program, list(ops), sorted(steps) if steps is not None else None))
+        self.invokes.append(Invoke(prompt, program, list(ops), step_list(steps)))
         return len(self.invokes) - 1
 
     def run(self) -> TraceResult:

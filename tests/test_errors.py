@@ -214,6 +214,11 @@ def test_program_steps_that_never_run_are_refused_before_the_trace_is_sent(llama
         with pytest.raises(ValueError, match=r"program steps \[(-1|3)\] never run in a trace with max_tokens=3"):
             llama.generate(PROMPT, program=lambda m: None, steps=steps, max_tokens=3)
     assert llama.generate(PROMPT, program=lambda m: m.save("s", m.step), steps=[2], max_tokens=3).saves["s"] == 2
+    for steps in ([1.5], ["1"]):  # int() made 1.5 an op's step 1, and a program's 1.5 never ran
+        with pytest.raises(TypeError, match="steps must be integers"):
+            llama.generate(PROMPT, program=lambda m: None, steps=steps, max_tokens=3)
+        with pytest.raises(TypeError, match="steps must be integers"):
+            ops.save("layers.1.resid", steps=steps)
 
 
 def test_a_share_with_an_unknown_merge_fails_at_its_line_before_the_trace_runs_on(llama, oracles):

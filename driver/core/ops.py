@@ -21,6 +21,7 @@ in the order listed.
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Iterable
 
 import cloudpickle
@@ -68,8 +69,18 @@ def _op(kind: str, point: str, tokens: Tokens, steps, **fields) -> dict:
             raise ValueError(f"tokens must be 'all', 'last' or a list of positions, got {tokens!r}")
     else:
         tokens = sorted(int(t) for t in tokens)
-    op = {"op": kind, "point": point, "tokens": tokens,
-          "steps": sorted(int(s) for s in steps) if steps is not None else None, **fields}
+    op = {"op": kind, "point": point, "tokens": tokens, "steps": step_list(steps), **fields}
     # Invokes carrying equal ops are applied as one batched tensor operation on the worker.
     op["key"] = hashlib.sha256(cloudpickle.dumps(op)).hexdigest()[:16]
     return op
+
+
+def step_list(steps: Iterable[int] | None) -> list[int] | None:
+    """Generation steps (0 is the prompt) as sorted ints; None stays None (every step). A step that
+    is not an integer is refused: int() truncated 1.5 to 1, and a program's 1.5 never ran."""
+    if steps is None:
+        return None
+    try:
+        return sorted(operator.index(step) for step in steps)
+    except TypeError:
+        raise TypeError(f"steps must be integers (0 is the prompt, then one per generated token), got {steps!r}") from None
