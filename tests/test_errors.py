@@ -245,6 +245,27 @@ def test_an_op_value_of_the_wrong_shape_fails_its_invoke_naming_the_sizes_that_f
     _still_serves(llama, oracles)
 
 
+def test_op_values_positions_and_save_names_that_would_silently_mislead_are_refused(llama, oracles):
+    """Each of these ran: tokens=[1.5] saved position 1, a complex vector lost its imaginary part,
+    and two points saved under one name came back as one tensor of both points' rows."""
+    with pytest.raises(TypeError, match="tokens must be 'all', 'last' or a list of integer positions"):
+        ops.save("layers.1.resid", tokens=[1.5])
+    with pytest.raises(TypeError, match="add: the value must be real, got torch.complex64"):
+        ops.add("layers.1.resid", torch.ones(128, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="replace: the value must be a tensor or numbers, got str"):
+        ops.replace("layers.1.resid", "abc")
+    with pytest.raises(ValueError, match="two saves name 'x': layers.1.resid and layers.2.resid"):
+        llama.generate(PROMPT, ops=[ops.save("layers.1.resid", name="x"), ops.save("layers.2.resid", name="x")])
+    prompt_then_last = [ops.save("layers.1.resid", name="x", steps=[0]),
+                        ops.save("layers.1.resid", name="x", tokens="last", steps=[1, 2])]
+    n = len(oracles["tiny-llama"].ids(PROMPT))
+    assert llama.generate(PROMPT, ops=prompt_then_last, max_tokens=3).saves["x"].shape[0] == n + 2
+    import numpy as np
+
+    assert ops.save("layers.1.resid", tokens=np.array([2, 1]), steps=np.arange(2))["tokens"] == [1, 2]
+    _still_serves(llama, oracles)
+
+
 def test_wrong_module_names(llama, oracles):
     with pytest.raises(interlace.InterventionError, match=r"no module 'mlpp' under 'layers.1'.*'mlp'"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].mlpp.output)

@@ -39,7 +39,7 @@ def save(point: str, name: str | None = None, tokens: Tokens = "all", steps: Ite
 
 def add(point: str, vector: torch.Tensor, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
     """Add ``vector`` (broadcast over the selected rows) to ``point``: steering."""
-    return _op("add", point, tokens, steps, value=torch.as_tensor(vector))
+    return _op("add", point, tokens, steps, value=_real_tensor("add", vector))
 
 
 def scale(point: str, factor: float, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
@@ -49,7 +49,7 @@ def scale(point: str, factor: float, tokens: Tokens = "all", steps: Iterable[int
 
 def replace(point: str, value: torch.Tensor, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
     """Replace the selected rows of ``point`` with ``value`` (broadcast)."""
-    return _op("replace", point, tokens, steps, value=torch.as_tensor(value))
+    return _op("replace", point, tokens, steps, value=_real_tensor("replace", value))
 
 
 def zero(point: str, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
@@ -68,7 +68,7 @@ def _op(kind: str, point: str, tokens: Tokens, steps, **fields) -> dict:
         if tokens not in ("all", "last"):
             raise ValueError(f"tokens must be 'all', 'last' or a list of positions, got {tokens!r}")
     else:
-        tokens = sorted(int(t) for t in tokens)
+        tokens = _integers(tokens, "tokens must be 'all', 'last' or a list of integer positions")
     op = {"op": kind, "point": point, "tokens": tokens, "steps": step_list(steps), **fields}
     # Invokes carrying equal ops are applied as one batched tensor operation on the worker.
     op["key"] = hashlib.sha256(cloudpickle.dumps(op)).hexdigest()[:16]
@@ -80,7 +80,24 @@ def step_list(steps: Iterable[int] | None) -> list[int] | None:
     is not an integer is refused: int() truncated 1.5 to 1, and a program's 1.5 never ran."""
     if steps is None:
         return None
+    return _integers(steps, "steps must be integers (0 is the prompt, then one per generated token)")
+
+
+def _integers(values: Iterable[int], refusal: str) -> list[int]:
+    """Sorted ints (numpy's too); anything int() would truncate or parse is refused."""
     try:
-        return sorted(operator.index(step) for step in steps)
+        return sorted(operator.index(value) for value in values)
     except TypeError:
-        raise TypeError(f"steps must be integers (0 is the prompt, then one per generated token), got {steps!r}") from None
+        raise TypeError(f"{refusal}, got {values!r}") from None
+
+
+def _real_tensor(kind: str, value) -> torch.Tensor:
+    """An op's value as a real tensor: a complex one lost its imaginary part when cast to the
+    model's dtype, and torch's own refusal of a string named no op."""
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"{kind}: the value must be a tensor or numbers, got {type(value).__name__} ({exc})") from None
+    if tensor.is_complex():
+        raise TypeError(f"{kind}: the value must be real, got {tensor.dtype}")
+    return tensor

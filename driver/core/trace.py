@@ -287,10 +287,16 @@ def check_ops(ops: Iterable[dict], tree, max_tokens: int | None = None) -> None:
     """Refuse, before anything is sent, ops that name a point the model does not have (or one an
     op cannot act on), or steps that never run: a trace of ``max_tokens`` runs steps 0 to
     ``max_tokens - 1``. (Positions past the generation are found by the workers.)"""
+    saved: dict[str, tuple] = {}  # save name -> (its point, as written)
     for op in ops:
         if not isinstance(op, dict) or "op" not in op or "key" not in op:  # the key batches equal ops
             raise TypeError(f"ops must be made with interlace.ops (save, add, ...), got {op!r}")
-        tree.op_point(op["point"])
+        point = tree.op_point(op["point"])
+        if op["op"] == "save":
+            first = saved.setdefault(op["name"], (point, op["point"]))
+            if first[0] != point:  # their rows would be concatenated under one name, indistinguishable
+                raise ValueError(f"two saves name {op['name']!r}: {first[1]} and {op['point']}; give each point its "
+                                 "own name (one point saved at several steps may share one)")
         never = _never_run(op.get("steps") or (), max_tokens)
         if never:
             raise ValueError(
