@@ -27,6 +27,16 @@ EMBEDDED_PREFIX = "embedded:"
 _GRAPH_TAP = re.compile(r"(model\.)?layers\.\d+\.(resid|[A-Za-z_]\w*\.output)")
 
 
+def _read_yaml(path) -> Any:
+    """A config file's YAML; a syntax error is a ValueError naming the file and line, as every other
+    refused config is (``interlace sweep`` answered a YAML typo with a traceback)."""
+    try:
+        with path.open() as stream:  # (a stream: the error's mark names the file)
+            return yaml.safe_load(stream)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not valid YAML: {exc}") from None
+
+
 class ModelConfig(BaseModel):
     """One model served by one engine (one replica, TP x PP ranks)."""
 
@@ -80,7 +90,7 @@ class ModelConfig(BaseModel):
         """Load a bundled config by name (``"tiny-llama"``) or any YAML file by path."""
         path = Path(name_or_path)
         if path.suffix in (".yaml", ".yml"):
-            return cls.model_validate(yaml.safe_load(path.read_text()))
+            return cls.model_validate(_read_yaml(path))
         bundled = resources.files("interlace.configs") / "models" / f"{name_or_path}.yaml"
         if not bundled.is_file():
             known = sorted(
@@ -92,7 +102,7 @@ class ModelConfig(BaseModel):
                 f"no bundled model config {name_or_path!r}; choose one of {known} "
                 "or pass the path of a .yaml file"
             )
-        return cls.model_validate(yaml.safe_load(bundled.read_text()))
+        return cls.model_validate(_read_yaml(bundled))
 
     @property
     def world_size(self) -> int:
@@ -175,14 +185,14 @@ class ClusterConfig(BaseModel):
             return name_or_path
         path = Path(name_or_path)
         if path.suffix in (".yaml", ".yml"):
-            return cls.model_validate(yaml.safe_load(path.read_text()))
+            return cls.model_validate(_read_yaml(path))
         folder = resources.files("interlace.configs") / "clusters"
         bundled = folder / f"{name_or_path}.yaml"
         if not bundled.is_file():
             known = sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
             raise ValueError(f"no bundled cluster config {name_or_path!r}; choose one of {known} "
                              "or pass the path of a .yaml file")
-        return cls.model_validate(yaml.safe_load(bundled.read_text()))
+        return cls.model_validate(_read_yaml(bundled))
 
 
     def with_overrides(self, overrides: dict[str, Any]) -> tuple["ClusterConfig", dict[str, Any]]:
@@ -304,7 +314,7 @@ class ServeConfig(BaseModel):
             path = Path(str(resources.files("interlace.configs") / "serve" / f"{source}.yaml"))
             if not path.is_file():
                 raise ValueError(f"no bundled serve config {source!r}; pass the path of a .yaml file")
-        raw = yaml.safe_load(path.read_text())
+        raw = _read_yaml(path)
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a serve config is a YAML mapping (cluster, auth, limits...)")
         if isinstance(raw.get("cluster"), str) and raw["cluster"].endswith((".yaml", ".yml")) \
@@ -542,7 +552,7 @@ class SweepConfig(BaseModel):
     def load(cls, path: str | Path) -> "SweepConfig":
         """A sweep YAML; its relative paths are read from the YAML's folder."""
         path = Path(path)
-        raw = yaml.safe_load(path.read_text())
+        raw = _read_yaml(path)
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a sweep config is a YAML mapping (cluster, input, intervention, output...)")
         cfg = cls.model_validate(_resolve_paths(raw, path.resolve().parent))

@@ -518,6 +518,23 @@ def test_the_example_config_loads_with_paths_from_its_folder():
         SweepConfig.model_validate({**cfg.model_dump(), "intervention": {"ops": [{"op": "add", "point": "layers.1.resid"}]}})
 
 
+def test_a_config_that_is_not_valid_yaml_is_refused_naming_its_line(tmp_path, capsys):
+    """`interlace sweep` answered a YAML typo with a traceback (yaml's error is no ValueError)."""
+    from interlace.cli import main
+
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("cluster: tiny-llama-2\ninput: {paths: [prompts.jsonl]\n")
+    handler = signal.getsignal(signal.SIGTERM)  # main() takes SIGTERM over, as the command does
+    try:
+        for command in ("sweep", "serve"):
+            assert main([command, str(bad)]) == 2
+            assert "not valid YAML" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    with pytest.raises(ValueError, match=f'(?s)not valid YAML: .*in "{bad}", line 2'):
+        interlace.Model(bad)
+
+
 def test_a_folder_holding_another_sweep_is_refused_before_anything_starts(tmp_path):
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
     fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", shard_size=4)
