@@ -285,8 +285,9 @@ def check_trace(invokes: list[Invoke], settings: dict, tree) -> None:
 
 def check_ops(ops: Iterable[dict], tree, max_tokens: int | None = None) -> None:
     """Refuse, before anything is sent, ops that name a point the model does not have (or one an
-    op cannot act on), or steps that never run: a trace of ``max_tokens`` runs steps 0 to
-    ``max_tokens - 1``. (Positions past the generation are found by the workers.)"""
+    op cannot act on), saves of two points under one name, or steps that never run: a trace of
+    ``max_tokens`` runs steps 0 to ``max_tokens - 1``. (Positions past the generation are found by
+    the workers.)"""
     saved: dict[str, tuple] = {}  # save name -> (its point, as written)
     for op in ops:
         if not isinstance(op, dict) or "op" not in op or "key" not in op:  # the key batches equal ops
