@@ -239,6 +239,9 @@ class Replica:
                     raise _EngineGone()
         finally:
             work.cancel()  # a cancelled shard (a client gone) aborts its requests, as awaiting the gather did
+            # A gather cancelled this way ends with a CancelledError nobody reads: read it, or asyncio
+            # logs "_GatheringFuture exception was never retrieved" with a traceback
+            work.add_done_callback(_read_outcome)
         return work.result()
 
     async def _watch(self, task: ShardTask, expected: set[tuple[int, int]]):
@@ -574,3 +577,9 @@ def replica_actor(placement_group, cluster: ClusterConfig, cores: list[int] | No
             placement_group=placement_group, placement_group_bundle_index=0,
             placement_group_capture_child_tasks=True),
     )
+
+
+def _read_outcome(future: asyncio.Future) -> None:
+    """Mark a finished future's exception read (a cancelled one has none to read)."""
+    if not future.cancelled():
+        future.exception()

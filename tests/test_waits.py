@@ -217,10 +217,15 @@ def test_module_of_another_stage_only(llama, oracles):
 
 
 def test_steps_that_never_ran_fail(llama, oracles):
+    """Steps at or past max_tokens are refused on the driver (test_errors); steps that generation
+    did not reach, because it stopped early (here at a stop token), fail naming the steps that ran."""
     ids = oracles["tiny-llama"].ids(PROMPT)
     keep = lambda m: m.save("h", m.last(m.layers[1].resid))  # noqa: E731
-    with pytest.raises(interlace.InterventionError, match=r"steps=\[2, 50\].*before steps \[50\] \(steps 0 to 3 ran"):
-        llama.generate(ids, program=keep, steps=[2, 50], max_tokens=4, ignore_eos=True)
+    tokens = llama.generate(ids, max_tokens=8, ignore_eos=True).token_ids
+    last = next(k for k in range(1, 8) if tokens[k] not in tokens[:k])  # generation stops at step `last`
+    with pytest.raises(interlace.InterventionError,
+                       match=rf"steps=\[1, 50\].*before steps \[50\] \(steps 0 to {last} ran"):
+        llama.generate(ids, program=keep, steps=[1, 50], max_tokens=60, ignore_eos=True, stop_token_ids=[tokens[last]])
     assert llama.generate(ids, program=keep, steps=[2, 3], max_tokens=4, ignore_eos=True).saves["h"].shape[0] == 2
 
 
