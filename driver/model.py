@@ -176,6 +176,9 @@ class Model:
 
         try:
             return self.engine.generate(prompts, params, use_tqdm=False)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM (core.sigterm's Terminated)
+            self._abort_unfinished()
+            raise
         except EngineDeadError as exc:
             self._drop_dead_engine()
             stopped = self._last_words(trace_id)
@@ -194,6 +197,25 @@ class Model:
                 "that crashed the interpreter, or the system killing the process, e.g. for memory). "
                 "This trace's results are lost; the next trace starts a new engine."
             ) from exc
+
+    def _abort_unfinished(self) -> None:
+        """Abort the requests an interrupted trace left in the engine (one trace runs at a time:
+        every unfinished request is its). vLLM's ``LLM`` keeps them running, and its next
+        ``generate`` returns their outputs with its own: the next trace got this one's tokens."""
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            states = engine.llm_engine.output_processor
+            unfinished = list(states.request_states)
+            if unfinished and hasattr(states, "external_req_ids"):  # vLLM 0.32: keys are internal ids
+                engine.llm_engine.abort_request(unfinished, internal=True)
+            elif unfinished:
+                engine.llm_engine.abort_request(unfinished)
+            if states.request_states:
+                raise RuntimeError("requests left after the abort")
+        except Exception:  # noqa: BLE001 - an engine we cannot clean: the next trace starts a new one
+            self._drop_dead_engine()
 
     def _last_words(self, trace_id: str) -> str:
         """Why a worker ended itself, from the error reports it wrote first (a program that

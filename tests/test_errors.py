@@ -368,6 +368,28 @@ def test_a_trace_has_no_result_before_it_runs_and_takes_no_invoke_after(llama):
     assert llama.generate(PROMPT, max_tokens=2).token_ids
 
 
+def test_a_trace_interrupted_by_ctrl_c_leaves_nothing_for_the_next(llama, oracles):
+    """Ctrl-C in a trace left its requests running in vLLM's LLM, whose next generate() returned
+    their outputs with its own: after an interrupted 300-token trace, a 2-token one got 300 tokens."""
+    import _thread
+    import threading
+
+    want = llama.generate(PROMPT, max_tokens=2).token_ids
+
+    def slow(m):
+        time.sleep(0.02)  # 300 steps: 6 s, interrupted after 1
+
+    timer = threading.Timer(1.0, _thread.interrupt_main)  # as Ctrl-C does: KeyboardInterrupt in the main thread
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llama.generate(PROMPT, program=slow, max_tokens=300, ignore_eos=True)
+    finally:
+        timer.cancel()
+    assert llama.generate(PROMPT, max_tokens=2).token_ids == want
+    _still_serves(llama, oracles)
+
+
 def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):
     import types
 
