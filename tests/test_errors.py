@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -379,6 +380,8 @@ def test_a_trace_interrupted_by_ctrl_c_leaves_nothing_for_the_next(llama, oracle
     def slow(m):
         time.sleep(0.02)  # 300 steps: 6 s, interrupted after 1
 
+    # Ctrl-C in a plain script: Python's own SIGINT handler (earlier tests' Ray and Serve set others)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, _thread.interrupt_main)  # as Ctrl-C does: KeyboardInterrupt in the main thread
     timer.start()
     try:
@@ -386,6 +389,7 @@ def test_a_trace_interrupted_by_ctrl_c_leaves_nothing_for_the_next(llama, oracle
             llama.generate(PROMPT, program=slow, max_tokens=300, ignore_eos=True)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     assert llama.generate(PROMPT, max_tokens=2).token_ids == want
     _still_serves(llama, oracles)
 
