@@ -372,10 +372,19 @@ def test_a_trace_has_no_result_before_it_runs_and_takes_no_invoke_after(llama):
 def test_a_trace_interrupted_by_ctrl_c_leaves_nothing_for_the_next(llama, oracles):
     """Ctrl-C in a trace left its requests running in vLLM's LLM, whose next generate() returned
     their outputs with its own: after an interrupted 300-token trace, a 2-token one got 300 tokens."""
+    check_ctrl_c_leaves_nothing(llama)
+    _still_serves(llama, oracles)
+
+
+def check_ctrl_c_leaves_nothing(model) -> None:
+    """Interrupt a long trace as Ctrl-C does; the next trace gets its own tokens from the same
+    engine (its requests were aborted, not the engine dropped). Also run on GPUs (vLLM 0.26's
+    abort: tests/test_gpu_numerics.py)."""
     import _thread
     import threading
 
-    want = llama.generate(PROMPT, max_tokens=2).token_ids
+    want = model.generate(PROMPT, max_tokens=2).token_ids
+    engine = model.engine
 
     def slow(m):
         time.sleep(0.02)  # 300 steps: 6 s, interrupted after 1
@@ -386,12 +395,12 @@ def test_a_trace_interrupted_by_ctrl_c_leaves_nothing_for_the_next(llama, oracle
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            llama.generate(PROMPT, program=slow, max_tokens=300, ignore_eos=True)
+            model.generate(PROMPT, program=slow, max_tokens=300, ignore_eos=True)
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, handler)
-    assert llama.generate(PROMPT, max_tokens=2).token_ids == want
-    _still_serves(llama, oracles)
+    assert model.generate(PROMPT, max_tokens=2).token_ids == want
+    assert model.engine is engine, "the interrupted trace's requests were not aborted: the engine was dropped"
 
 
 def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):

@@ -9,6 +9,8 @@
   switches on TF32 for itself. vLLM's float32 attention on Hopper
   is its Triton kernel, whose dots ran in TF32 (1.5e-3 off) until interlace set
   ``TRITON_F32_DEFAULT=ieee`` in its workers (workers/plugin.py, ``float32_dots_in_float32``).
+- A trace interrupted by Ctrl-C leaves nothing running for the next one (as on CPUs, in
+  tests/test_errors.py).
 
 One engine per layout (TP=1, TP=2, PP=2) and mode (eager, compiled with CUDA graphs), started
 once for the module's tests. Run on a lent GPU host (1 or 2 GPUs; TP=2 and PP=2 need 2):
@@ -23,6 +25,7 @@ import torch
 
 import interlace
 from conftest import kept_engine
+from test_errors import check_ctrl_c_leaves_nothing
 from test_interventions import PROMPT, check_invokes_stop_at_eos
 
 pytestmark = pytest.mark.gpu
@@ -51,6 +54,12 @@ def engine(request):
 
 def test_saved_steps_are_the_returned_tokens_when_invokes_stop_at_eos(engine, oracles):
     check_invokes_stop_at_eos(engine, oracles["tiny-llama"])
+
+
+def test_a_trace_interrupted_by_ctrl_c_leaves_nothing_for_the_next(engine):
+    """vLLM 0.26's LLM, like 0.32's, kept an interrupted trace's requests running and handed their
+    outputs to the next trace; interlace aborts them (driver/model.py, its 0.26 branch)."""
+    check_ctrl_c_leaves_nothing(engine)
 
 
 def test_float32_residuals_and_logits_match_transformers(engine, oracles):
