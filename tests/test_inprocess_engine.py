@@ -2,7 +2,8 @@
 people debug vLLM) still delivers reports: nothing else steps it after ``generate()``, and
 workers learn which requests finished only in a step. Reports of a trace's invokes that finish a
 step apart are written as one batch. A trace's results go with the user's last reference to them,
-and closing the model lets go of the rank's data files. Run in a child process so the engine's
+and closing the model lets go of the rank's data files. Programs run under a tracer (coverage.py,
+a debugger) in the engine's thread. Run in a child process so the engine's
 process-wide state stays out of the test session."""
 
 from __future__ import annotations
@@ -84,3 +85,39 @@ def test_saves_arrive_from_an_in_process_engine():
     # mapped, and pinned on a GPU, until the process ended) and of the flight record its programs
     # were run under (workers/flight.py)
     assert "MAPPED BEFORE True" in done.stdout and "MAPPED AFTER []" in done.stdout, done.stdout[-2000:]
+
+
+def test_programs_run_under_a_tracer_in_the_engines_thread():
+    """coverage.py, pdb and IDE debuggers trace every thread (sys.settrace), which counts each
+    Python frame called from C twice against the recursion limit: the deep frames a program's
+    worker greenlet starts below (workers/calls.py, _deep_switch) ran out of room, and the first
+    program of a traced engine failed with a RecursionError in interlace's code."""
+    script = textwrap.dedent("""
+        import sys
+        import threading
+
+        import torch
+
+        import interlace
+
+        def tracer(frame, event, arg):
+            return None
+
+        def reads(m):
+            m.save("h", m.layers[0].resid)
+
+        if __name__ == "__main__":
+            sys.settrace(tracer)
+            threading.settrace(tracer)
+            model = interlace.Model("tiny-llama")
+            traced = model.generate("Hello", program=reads, max_tokens=2, ignore_eos=True)
+            sys.settrace(None)
+            threading.settrace(None)
+            plain = model.generate("Hello", program=reads, max_tokens=2, ignore_eos=True)
+            print("SAME", tuple(traced.saves["h"].shape), torch.equal(traced.saves["h"], plain.saves["h"]))
+            model.close()
+    """)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "SAME (5, 128) True" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "internal error" not in done.stderr, done.stderr[-4000:]

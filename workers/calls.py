@@ -217,7 +217,12 @@ class ProgramCall:
         self._switch_in(value)
 
     def cancel(self, reason: str) -> None:
-        """Stop a program that is waiting at a point that will not come."""
+        """Stop a program that is waiting at a point that will not come, or that never started
+        (its step's start failed before it: runner_hooks._guard failed its invokes)."""
+        if self.waiting_for is None and not self.unstarted:
+            self.error = self.error or error_record(ProgramError(reason), where=self.view.where())
+            self._finish()
+            return
         self._switch_in(ProgramError(reason))
 
     def suspend(self) -> None:
@@ -463,11 +468,28 @@ def _deep_frames() -> int:
 
 
 def _deep_switch(worker: greenlet.greenlet, value: Any, frames: int) -> Any:
-    """``worker.switch(value)``, made ``frames`` C frames further down the stack than the caller
-    (``next(map(...))`` calls back into Python from C, each call a frame of the interpreter's)."""
-    if frames <= 0:
+    """``worker.switch(value)``, made ``frames`` C frames further down the stack than the caller.
+
+    Where the interpreter has no room for them, the switch is made here instead (the worker's
+    switches then copy more of the stack, and run the same): a tracer or profiler in this thread
+    (coverage.py, pdb, an IDE's debugger, cProfile) counts each of these frames two or more times
+    against the recursion limit, which _deep_frames cannot see, and the first program of a traced
+    engine failed with a RecursionError in interlace's code."""
+    switched: list = []  # whether the switch was made: a RecursionError after it is not ours
+    try:
+        return _descend(worker, value, frames, switched)
+    except RecursionError:
+        if switched:
+            raise
         return worker.switch(value)
-    return next(map(functools.partial(_deep_switch, worker, value), (frames - 1,)))
+
+
+def _descend(worker: greenlet.greenlet, value: Any, frames: int, switched: list) -> Any:
+    """``next(map(...))`` calls back into Python from C, each call a frame of the interpreter's."""
+    if frames <= 0:
+        switched.append(True)
+        return worker.switch(value)
+    return next(map(functools.partial(_descend, worker, value, switched=switched), (frames - 1,)))
 
 
 def run_shallow(fn: Callable[..., Any], *args: Any) -> Any:

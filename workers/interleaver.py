@@ -491,7 +491,9 @@ class Interleaver(ProgramServices):
                 call.suspend()
                 step.carry[ctx.key] = Carried("suspended", log, points=call.log_points)
             else:
-                if not call.done and call.waiting_for.module == MAILBOX:
+                if call.waiting_for is None:  # never started: the step's start failed (runner_hooks._guard)
+                    call.cancel("interlace's start of the step failed before this program started")
+                elif not call.done and call.waiting_for.module == MAILBOX:
                     call.cancel(self._unsent(ctx, call.waiting_for.kind))
                 elif not call.done:
                     call.cancel(self._unreached(call))
@@ -508,9 +510,9 @@ class Interleaver(ProgramServices):
     def _goes_on_later(self, call: ProgramCall) -> bool:
         """Waiting for a point a later pipeline stage owns (or, before the last stage, for a
         value another invoke may still send there)."""
-        if self.stages.last:
-            return False
         point = call.waiting_for
+        if self.stages.last or point is None:  # (None: it never started, see _stop_calls)
+            return False
         return point.module == MAILBOX or self.stages.where(point) == LATER
 
     # --- at a hooked module (engine thread) ----------------------------------------------------
