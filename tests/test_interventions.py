@@ -556,3 +556,20 @@ def test_what_a_program_prints_comes_back_with_its_invoke_once_and_in_order(llam
     assert tr.result[0].printed == want
     assert [r.printed for r in tr.result.invokes[1:]] == ["together 2\n" * 3, "", ""]
     assert want in capsys.readouterr().out
+
+
+
+def test_a_program_recurses_as_deep_as_a_script(llama):
+    """Each program runs in a greenlet started a few hundred frames below the engine's (calls.py,
+    _deep_switch), and a greenlet counts its depth on from there: a program had 424 levels of
+    recursion left, where a script has about 1,000 (Python's default limit)."""
+
+    def depth(n: int) -> int:
+        return n if n == 900 else depth(n + 1)
+
+    def program(m):
+        m.save("before", depth(0))  # at the step's start, and at its point
+        m.save("after", depth(0) + int(m.layers[0].resid.shape[0] > 0))
+
+    out = llama.generate(PROMPT, program=program, max_tokens=2)
+    assert out.saves["before"] == [900, 900] and out.saves["after"] == [901, 901]

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from interlace.core import settings
-from interlace.workers.calls import WATCHDOG, ProgramCall, error_record, run_shallow
+from interlace.workers.calls import WATCHDOG, ProgramCall, error_record, make_room, run_shallow
 from interlace.workers.dispatch import PointDispatcher
 from interlace.workers.flight import entry_for
 from interlace.workers.hooks import HookSet, hook_of
@@ -87,6 +87,7 @@ class Interleaver(ProgramServices):
         self.device = next(model.parameters()).device
         self.reporter = Reporter(self.device)
         program_settings.install(WATCHDOG)  # once per process: profilers refused, generators kept apart
+        make_room()  # once per process: programs recurse as deep as a script
         self.slots = SlotTable()
         self.graph_steps: dict[str, int] | None = None  # a compiled engine's steps by kind (graphs.py)
         self.taps = getattr(model, "_interlace_taps", None)  # graph taps built in at load (taps.py)
