@@ -392,7 +392,7 @@ class OpSpec(BaseModel):
 
     op: str = Field(description="save, add, scale, replace or zero.")
     point: str = Field(max_length=256, description="Where: 'layers.2.resid', 'layers.1.mlp.output', 'logits'...")
-    name: str | None = Field(None, max_length=256, description="save only: the save's name (default: the point).")
+    name: str | None = Field(None, min_length=1, max_length=256, description="save only: the save's name (default: the point).")
     tokens: Literal["all", "last"] | Positions = Field("all", description="'all', 'last' or a list of positions.")
     steps: Positions | None = Field(None, description="Steps the op acts at (0 is the prompt); None: every step.")
     value: float | list[float] | list[list[float]] | TensorFile | InlineTensor | None = Field(

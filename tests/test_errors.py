@@ -192,8 +192,9 @@ def test_a_save_or_share_name_that_is_not_a_string_fails_its_invoke_only(llama, 
     for bad in ("", ("a", 1)):
         with pytest.raises(interlace.InterventionError, match=r"share\(\) name must be a non-empty string"):
             llama.generate(PROMPT, program=lambda m, bad=bad: m.share(bad, 1.0))
-    with pytest.raises(TypeError, match="save name must be a string, or None for the point.s own, got 3"):
-        ops.save("layers.1.resid", name=3)
+    for bad in (3, ""):  # "" was taken for None: saved under the point's name
+        with pytest.raises(TypeError, match="save name must be a non-empty string, or None for the point.s own, got"):
+            ops.save("layers.1.resid", name=bad)
     [name] = llama.generate(PROMPT, program=lambda m: m.save(np.str_("h"), m.layers[0].resid)).saves
     assert name == "h" and type(name) is str
     _still_serves(llama, oracles)

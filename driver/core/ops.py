@@ -32,9 +32,10 @@ Tokens = str | Iterable[int]
 
 def save(point: str, name: str | None = None, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
     """Save ``point`` into each invoke's ``saves[name or point]`` (steps concatenate along dim 0)."""
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"save name must be a string, or None for the point's own, got {name!r} ({type(name).__name__})")
-    return _op("save", point, tokens, steps, name=str(name) if name else point)
+    if name is not None and (not isinstance(name, str) or not name):  # "" is refused, as m.save refuses it
+        raise TypeError(f"save name must be a non-empty string, or None for the point's own, got {name!r} "
+                        f"({type(name).__name__})")
+    return _op("save", point, tokens, steps, name=str(name) if name is not None else point)
 
 
 def add(point: str, vector: torch.Tensor, tokens: Tokens = "all", steps: Iterable[int] | None = None) -> dict:
