@@ -277,6 +277,9 @@ def check_trace(invokes: list[Invoke], settings: dict, tree) -> None:
     max_tokens = settings.get("max_tokens")
     for inv in invokes:
         check_ops(inv.ops, tree, max_tokens)
+        if inv.steps is not None and not len(inv.steps):  # the program would silently never run
+            raise ValueError("program steps=[]: the program would never run; pass steps=None (every step) or the "
+                             "steps to run at")
         never = _never_run(inv.steps or (), max_tokens)
         if never:  # the program would silently never run at them
             raise ValueError(f"program steps {never} never run in a trace with max_tokens={max_tokens} "
@@ -298,6 +301,9 @@ def check_ops(ops: Iterable[dict], tree, max_tokens: int | None = None) -> None:
             if first[0] != point:  # their rows would be concatenated under one name, indistinguishable
                 raise ValueError(f"two saves name {op['name']!r}: {first[1]} and {op['point']}; give each point its "
                                  "own name (one point saved at several steps may share one)")
+        if op.get("steps") is not None and not len(op["steps"]):  # (the workers would find it selected nothing)
+            raise ValueError(f"op {op['op']} at {op['point']}: steps=[] never runs; pass steps=None (every step) "
+                             "or the steps to act at")
         never = _never_run(op.get("steps") or (), max_tokens)
         if never:
             raise ValueError(
