@@ -298,8 +298,9 @@ def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluste
     # The dead engine's segments went with it (the replica's restart spares the resource tracker
     # that unlinks them: killed too, they stayed in /dev/shm at every restart). The tracker unlinks
     # them once the last process it serves is gone, which can come after the new replica is up: a
-    # run on a loaded 2-core machine found one still there as the replica came back (2026-12-04).
-    deadline = time.monotonic() + 10
+    # run on a loaded 2-core machine found one still there as the replica came back (2026-12-04),
+    # and both there 10 s later with a step probe running beside the suite (2026-12-06, d8a694c).
+    deadline = time.monotonic() + 30
     while [path for path in segments if os.path.exists(path)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [path for path in segments if os.path.exists(path)]
