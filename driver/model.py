@@ -47,6 +47,7 @@ from interlace.core.trace import (
     echo_printed,
     encode_payloads,
     new_trace_id,
+    prompt_of,
 )
 from interlace.core.wire import Completion, Report
 from interlace.workers.flight import FOLDER as FLIGHT
@@ -291,12 +292,12 @@ class Trace:
 
     def invoke(self, prompt: str | list[int], program: Callable | None = None,
                ops: Iterable[dict] = (), steps: Iterable[int] | None = None) -> int:
-        """Add a prompt (text or token ids) with an optional program and ops; returns its index."""
+        """Add a prompt (text, or token ids: see core.trace.prompt_of) with an optional program and
+        ops; returns its index."""
         if self._result is not None:  # it would not run, and tr.result would silently lack it
             raise RuntimeError("the trace has run already (its with block ended): an invoke added now would not run; "
                                "add invokes inside the with block, or start a new trace for more")
-        if not isinstance(prompt, (str, list, tuple)) or (not isinstance(prompt, str) and not all(isinstance(t, int) for t in prompt)):
-            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        prompt = prompt_of(prompt)
         if program is not None:
             check_program(program)
         self.invokes.append(Invoke(prompt, program, list(ops), step_list(steps)))

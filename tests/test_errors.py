@@ -6,6 +6,7 @@ import signal
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,7 +183,6 @@ def test_a_save_or_share_name_that_is_not_a_string_fails_its_invoke_only(llama, 
     passed a local trace, then failed the endpoint's answer (its schema wants strings) or, in a
     sweep, every prompt of the shard (``name.startswith``). Now the program's own line fails, in
     its invoke alone; a string of another type (numpy's) comes back as a plain one."""
-    import numpy as np
 
     with pytest.raises(interlace.InterventionError, match=r"save\(\) name must be a non-empty string, got 3 \(int\)") as err:
         with llama.trace(max_tokens=2) as tr:
@@ -266,7 +266,6 @@ def test_op_values_positions_and_save_names_that_would_silently_mislead_are_refu
                         ops.save("layers.1.resid", name="x", tokens="last", steps=[1, 2])]
     n = len(oracles["tiny-llama"].ids(PROMPT))
     assert llama.generate(PROMPT, ops=prompt_then_last, max_tokens=3).saves["x"].shape[0] == n + 2
-    import numpy as np
 
     assert ops.save("layers.1.resid", tokens=np.array([2, 1]), steps=np.arange(2))["tokens"] == [1, 2]
     _still_serves(llama, oracles)
@@ -316,8 +315,14 @@ def test_nnsights_save_gradients_and_breakpoints_fail_saying_what_to_do_instead(
 
 
 def test_malformed_requests_are_refused_on_the_driver(llama):
-    with pytest.raises(TypeError, match="prompt must be"):
-        llama.generate(123)
+    for bad in (123, [[5, 6, 7]], [5.0, 6.0], [True, False], torch.tensor([[5, 6, 7]]), np.array([5.5])):
+        with pytest.raises(TypeError, match="prompt must be text or token ids"):
+            llama.generate(bad)
+    # Token ids as numpy's integers, a 1-D array or tensor (a tokenizer's row) are ids like a list's:
+    # a list of numpy ints was refused as "got list", an array as "got ndarray"
+    want = llama.generate([5, 6, 7], max_tokens=2).token_ids
+    for ids in ((5, 6, 7), [np.int64(5), np.int64(6), np.int64(7)], np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
+        assert llama.generate(ids, max_tokens=2).token_ids == want
     with pytest.raises(TypeError, match="program must be a function"):
         llama.generate(PROMPT, program="not a function")
 

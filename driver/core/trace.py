@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import inspect
 import io
+import operator
 import pickle
 import sys
 import sysconfig
@@ -74,6 +75,34 @@ def check_program(program: Any) -> None:
     except TypeError:
         raise TypeError(f"program {_name(program)}{signature} cannot be called with one argument, the model "
                         "view m, as the engine calls it at every step: define it as `def program(m): ...`") from None
+
+
+def prompt_of(prompt: Any) -> str | list[int]:
+    """A prompt as the engine takes it: text, or token ids as a list of ints. Ids may be any
+    integers (numpy's too) in a list or tuple, or a 1-D integer numpy array or torch tensor
+    (one row of a tokenizer's ``return_tensors`` output); anything else is refused here, not by
+    the engine after the trace was sent.
+
+        >>> prompt_of((5, 6, 7))
+        [5, 6, 7]
+        >>> prompt_of([[5, 6, 7]])
+        Traceback (most recent call last):
+        TypeError: prompt must be text or token ids (a list of ints, or a 1-D integer array or tensor), got list [[5, 6, 7]]
+    """
+    if isinstance(prompt, str):
+        return prompt
+    shape = getattr(prompt, "shape", None)
+    if shape is not None and len(shape) == 1 and hasattr(prompt, "tolist"):  # numpy, torch
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)):
+        try:
+            if not any(type(t) is bool for t in prompt):  # (a bool is an int; no token id is one)
+                return [operator.index(t) for t in prompt]
+        except TypeError:
+            pass
+    shown = f" of shape {tuple(shape)}" if shape is not None else f" {prompt!r}"[:80]
+    raise TypeError("prompt must be text or token ids (a list of ints, or a 1-D integer array or tensor), got "
+                    f"{type(prompt).__name__}{shown}")
 
 
 def _name(program: Any) -> str:
