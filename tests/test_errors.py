@@ -426,6 +426,20 @@ def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):
             llama.generate(PROMPT, program=module.f)
     finally:
         del sys.modules["not_on_the_worker"]
+    import threading
+
+    class Probe:  # a program that is a method of an object holding a lock
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def run(self, m):
+            m.save("x", m.layers[0].resid)
+
+    # pickle's own "cannot pickle '_thread.lock' object" named neither the invoke nor the program
+    with pytest.raises(TypeError, match=r"invoke 1's program .*Probe.run cannot be sent to the workers: .*_thread.lock"):
+        with llama.trace(max_tokens=2) as tr:
+            tr.invoke(PROMPT)
+            tr.invoke(PROMPT, program=Probe().run)
     _still_serves(llama, oracles)
 
 

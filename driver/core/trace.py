@@ -254,6 +254,18 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _program_bytes(program: Any, index: int) -> bytes:
+    """The program's pickle, or a refusal that says what travels and what cannot (pickle's own
+    error, e.g. "cannot pickle '_thread.lock' object", named neither the invoke nor the program)."""
+    try:
+        return dumps(program)
+    except Exception as exc:  # noqa: BLE001 - pickling runs user objects' code: any error may come out
+        raise TypeError(f"invoke {index}'s program {_name(program)} cannot be sent to the workers: pickling it, or "
+                        f"something it references, failed ({type(exc).__name__}: {exc}). Programs travel by value "
+                        "(cloudpickle): keep locks, open files, sockets, models and clients out of what they "
+                        "reference, or make them inside the program") from exc
+
+
 def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: float,
                     max_save_bytes: int) -> list[InvokePayload | None]:
     """What each intervened invoke's request carries to the workers (None: plain request);
@@ -269,7 +281,7 @@ def encode_payloads(invokes: list[Invoke], trace_id: str, sink: str, timeout_s: 
             program_bytes = key = None
             if inv.program is not None:
                 if id(inv.program) not in pickled:
-                    data = dumps(inv.program)
+                    data = _program_bytes(inv.program, index)
                     pickled[id(inv.program)] = (data, hashlib.sha256(data).hexdigest()[:16])
                 program_bytes, key = pickled[id(inv.program)]
             ops_key = "+".join(op["key"] for op in inv.ops)  # ops are data: equal keys, equal ops
