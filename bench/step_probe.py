@@ -14,7 +14,7 @@ PROBE_LIGHT=1 times interlace's calls without checking them for CUDA syncs (each
 microseconds per call, which inflates the finer phases). PROBE_FINE=1 times a program per invoke's
 path part by part, and prints how many Python frames deep the engine is where it hands programs
 to the hub (greenlet walks those at every switch on Python 3.12+); PROBE_NO_HUB=1 has the engine switch into programs itself instead of through
-the hub (calls.run_shallow), for an A/B. PROBE_NO_PROLOGUE=1 starts every program at its step's start, also
+the hub (greenlets.run_shallow), for an A/B. PROBE_NO_PROLOGUE=1 starts every program at its step's start, also
 those that could start at their first point (prologue.py), for an A/B. PROBE_NO_RUNS=1 adds the saves made
 in graph taps to the save ledger step by step, as before runs (saves.py), for an A/B.
 
@@ -407,7 +407,7 @@ def install_probes() -> None:
     timed(calls.ProgramCall, "_switch_in", "engine runs programs (greenlets)", debug_sync=False)
     for module, site in ((dispatch, "a hook"), (interleaver, "a step's start or end")):
         inner = (lambda fn, *args: fn(*args)) if os.environ.get("PROBE_NO_HUB") else module.run_shallow
-        if os.environ.get("PROBE_NO_HUB"):  # an A/B of calls.run_shallow: the engine switches into programs itself
+        if os.environ.get("PROBE_NO_HUB"):  # an A/B of greenlets.run_shallow: the engine switches into programs itself
             module.run_shallow = inner
         if os.environ.get("PROBE_FINE"):  # how deep the engine is there (greenlet walks that on Python 3.12+)
             module.run_shallow = _frames_at(site, inner)
@@ -450,7 +450,7 @@ def install_probes() -> None:
 
 
 def _frames_at(site: str, inner):
-    """``inner`` (calls.run_shallow or a direct call), noting in DEPTHS the most Python frames its
+    """``inner`` (greenlets.run_shallow or a direct call), noting in DEPTHS the most Python frames its
     callers at ``site`` were deep."""
     def run(fn, *args):
         depth, frame = 0, sys._getframe(1)

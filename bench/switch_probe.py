@@ -4,7 +4,7 @@
 every call started (run to its wait) and resumed (run to its end), per step, from an "engine"
 ``--depth`` Python frames deep (``--c-frames``: each of them entered through C, as vLLM's forward
 enters its modules), once switching into the programs itself and once through the hub
-(calls.run_shallow). Prints the best per-invoke time of ``--rounds`` steps for each: on Python
+(greenlets.run_shallow). Prints the best per-invoke time of ``--rounds`` steps for each: on Python
 3.12 and later the first grows with the depth (greenlet walks the frame chain it leaves at every
 switch), the second does not. The watchdog and (``--flight``) the flight recorder run as in an
 engine.
@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from interlace.workers.calls import ProgramCall, run_shallow
+from interlace.workers.calls import ProgramCall
+from interlace.workers.greenlets import run_shallow
 from interlace.workers.points import Point
 
 POINT = Point("model.layers.8", "resid")

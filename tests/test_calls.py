@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from interlace.workers import calls
+from interlace.workers import calls, greenlets
 from interlace.workers.calls import ProgramCall
 from interlace.workers.points import Point
 
@@ -164,7 +164,7 @@ def test_a_stopped_program_fails_with_the_groups_record_even_if_it_swallows_the_
 
 
 def test_a_program_started_from_the_hub_and_stopped_from_the_engine_unwinds_back_to_the_engine():
-    """Programs are switched into from the thread's hub (calls.run_shallow), but under TP the
+    """Programs are switched into from the thread's hub (greenlets.run_shallow), but under TP the
     step's end stops calls past their agreed time from the engine itself (tp_agreement.agree_on_time):
     the stopped program unwinds back to whoever stopped it, not into the hub, which serves on."""
     unwound = []
@@ -178,13 +178,13 @@ def test_a_program_started_from_the_hub_and_stopped_from_the_engine_unwinds_back
     view = _StageView()
     call = ProgramCall(program, view, budget_s=10, limit_s=10, local_limits=False)
     view.call = call
-    calls.run_shallow(call.start)
+    greenlets.run_shallow(call.start)
     assert call.waiting_for == Point("model.layers.1", "resid")
     call.time_out()  # from here, outside the hub
     assert unwound == [True] and call.done and "time limit" in call.error["message"]
-    assert calls.run_shallow(lambda a, b: a + b, 2, 3) == 5
+    assert greenlets.run_shallow(lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(ZeroDivisionError):  # raised in the hub, raised again here
-        calls.run_shallow(lambda: 1 / 0)
+        greenlets.run_shallow(lambda: 1 / 0)
 
 
 def test_tensors_a_program_reaches_through_the_functions_it_calls_move_to_the_models_device():

@@ -90,7 +90,7 @@ def test_saves_arrive_from_an_in_process_engine():
 def test_programs_run_under_a_tracer_in_the_engines_thread():
     """coverage.py, pdb and IDE debuggers trace every thread (sys.settrace), which counts each
     Python frame called from C twice against the recursion limit: the deep frames a program's
-    worker greenlet starts below (workers/calls.py, _deep_switch) ran out of room, and the first
+    worker greenlet starts below (workers/greenlets.py, deep_switch) ran out of room, and the first
     program of a traced engine failed with a RecursionError in interlace's code."""
     script = textwrap.dedent("""
         import sys

@@ -560,8 +560,8 @@ def test_what_a_program_prints_comes_back_with_its_invoke_once_and_in_order(llam
 
 
 def test_a_program_recurses_as_deep_as_a_script(llama):
-    """Each program runs in a greenlet started a few hundred frames below the engine's (calls.py,
-    _deep_switch), and a greenlet counts its depth on from there: a program had 424 levels of
+    """Each program runs in a greenlet started a few hundred frames below the engine's (greenlets.py,
+    deep_switch), and a greenlet counts its depth on from there: a program had 424 levels of
     recursion left, where a script has about 1,000 (Python's default limit)."""
 
     def depth(n: int) -> int:

@@ -672,8 +672,8 @@ def test_a_program_switched_into_at_a_tap_copies_none_of_the_engines_stack(tappe
     """A greenlet switch copies out whatever part of the C stack the greenlet switched to runs
     over, and on Python 3.12 and later walks the whole Python frame chain of the greenlet it
     leaves. Programs are switched into from a hub whose Python stack starts empty
-    (calls.run_shallow), not from the engine deep in the forward pass, and hub and programs start
-    below every tap (calls._deep_switch): at a tap no greenlet on the way has stack saved (8.8 KB
+    (greenlets.run_shallow), not from the engine deep in the forward pass, and hub and programs start
+    below every tap (greenlets.deep_switch): at a tap no greenlet on the way has stack saved (8.8 KB
     with programs started where the step begins), and the one a program leaves is a few frames
     deep where the engine is dozens."""
     import greenlet
@@ -700,7 +700,7 @@ def test_a_program_switched_into_at_a_tap_copies_none_of_the_engines_stack(tappe
 
 
 def hub_functions() -> list[str]:
-    """Called in a program: the functions of the hub that switched into it (calls.run_shallow)."""
+    """Called in a program: the functions of the hub that switched into it (greenlets.run_shallow)."""
     import greenlet
 
     frame, names = greenlet.getcurrent().parent.gr_frame, []

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from interlace.workers.calls import ProgramCall, error_record, run_shallow, start_at_points
+from interlace.workers.calls import ProgramCall, error_record, start_at_points
+from interlace.workers.greenlets import run_shallow
 from interlace.workers.hooks import HookSet
 from interlace.workers.holds import Held, live_edit, versions
 from interlace.workers.ops import StepOp, apply as apply_op
@@ -78,7 +79,7 @@ class PointDispatcher:
     def _run_programs(self, step: Step, module: str, kinds: tuple[str, ...], access: PointAccess,
                       ready: list[tuple[ProgramCall, CallContext]]) -> None:
         """Hand the hook's value to the ``ready`` programs waiting here, and to those it wakes,
-        until none can move (in the hub: calls.run_shallow)."""
+        until none can move (in the hub: greenlets.run_shallow)."""
         delivered: list[tuple[ProgramCall, CallContext]] = []
         # Programs that start here at their first point and whose reads are views of one copy
         # (a tap's resid) are started together, in one worker greenlet (calls.start_at_points),

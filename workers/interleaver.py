@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from interlace.core import settings
-from interlace.workers.calls import WATCHDOG, ProgramCall, error_record, make_room, run_shallow
+from interlace.workers.calls import WATCHDOG, ProgramCall, error_record
 from interlace.workers.dispatch import PointDispatcher
 from interlace.workers.flight import entry_for
+from interlace.workers.greenlets import make_room, run_shallow
 from interlace.workers.hooks import HookSet, hook_of
 from interlace.workers.layout import BatchLayout
 from interlace.workers.ops import OpOrder, applied_bit, selected_nothing
@@ -366,7 +367,7 @@ class Interleaver(ProgramServices):
             run_shallow(self._start_calls, self.step)
 
     def _start_calls(self, step: Step) -> None:
-        """Run each of the step's programs to its first wait (in the hub: calls.run_shallow), or
+        """Run each of the step's programs to its first wait (in the hub: greenlets.run_shallow), or
         leave it unstarted where its first point is known without running it (prologue.py): the
         hook there starts it (PointDispatcher._deliver)."""
         # A program per invoke is one function for all its calls: its prologue's values are read
