@@ -200,6 +200,28 @@ def test_a_save_or_share_name_that_is_not_a_string_fails_its_invoke_only(llama, 
     _still_serves(llama, oracles)
 
 
+def test_a_sparse_nested_quantized_or_meta_tensor_save_fails_at_its_line(llama, oracles):
+    """Such tensors passed ``m.save`` and broke the report's row gathering later, for the whole
+    batch: a sparse one ended the trace's reports on the rank (every invoke lost, the driver
+    waited 30 s and started a new engine), a meta one made every invoke of its trace come back
+    with no saves and no error. Now the program's line fails, in its invoke alone."""
+    bad = {
+        "sparse": (lambda h: h.to_sparse(), r"save\('x'\) takes dense tensors, got a sparse_coo tensor; save value.to_dense\(\)"),
+        "nested": (lambda h: torch.nested.nested_tensor([h[:1], h[:2]]), r"got a nested tensor; save value.to_padded_tensor\(0\)"),
+        "quantized": (lambda h: torch.quantize_per_tensor(h.float(), 0.1, 0, torch.qint8), r"takes unquantized tensors, got torch.qint8"),
+        "meta": (lambda h: torch.empty(2, device="meta"), r"a tensor on the meta device has no values to save"),
+    }
+    for kind, (make, message) in bad.items():
+        with pytest.raises(interlace.InterventionError, match=message) as err:
+            with llama.trace(max_tokens=2) as tr:
+                tr.invoke(PROMPT, program=lambda m, make=make: m.save("x", make(m.layers[0].resid)))
+                tr.invoke(PROMPT, program=lambda m: m.save("resid", m.layers[0].resid))
+        assert err.value.partial[1].saves["resid"].shape[0] == len(oracles["tiny-llama"].ids(PROMPT)) + 1, kind
+    with pytest.raises(interlace.InterventionError, match=r"share\('s'\) takes dense tensors"):
+        llama.generate(PROMPT, program=lambda m: m.share("s", m.layers[0].resid.to_sparse()), max_tokens=2)
+    _still_serves(llama, oracles)
+
+
 def test_saving_the_model_view_or_a_module_fails_at_its_line(llama, oracles):
     """``m.save("m", m)`` failed the invoke only at its report, with pickle's "Can't pickle local
     object 'install.<locals>.begin_step'"; now at the program's line, saying what to save."""

@@ -18,17 +18,18 @@ from interlace.workers.slots import SlotTable
 from interlace.workers.states import InvokeState
 
 
-def _finish_together(tmp_path, objects: dict[str, dict]) -> dict[str, list[dict]]:
+def _finish_together(tmp_path, objects: dict[str, dict], rows: dict[str, torch.Tensor] | None = None) -> dict[str, list[dict]]:
     """Three one-invoke traces, each having saved two rows of "h" (the trace's number), finished
-    in one step and reported; ``objects``: a trace's saved values that are not rows. Each trace's
-    reports as the driver reads them."""
+    in one step and reported; ``objects``: a trace's saved values that are not rows; ``rows``: a
+    trace's rows of "h" instead. Each trace's reports as the driver reads them."""
     sink = f"dir:{tmp_path}"
     ledger, slots, reporter = SaveLedger(), SlotTable(), Reporter()
     batcher = ReportBatcher(ledger, slots, reporter, stage=0)
     states = []
     for number, trace in enumerate(["a", "b", "c"], start=1):
         slot = slots.add(prompt_len=2, max_save_bytes=1 << 20, timeout_s=10.0, invoke=0, some_steps=False)
-        ledger.add(trace, [("h", torch.full((2, 4), float(number)))], owners=np.array([slot]),
+        h = (rows or {}).get(trace, torch.full((2, 4), float(number)))
+        ledger.add(trace, [("h", h)], owners=np.array([slot]),
                    starts=np.array([0]), stops=np.array([2]), fresh=True)
         states.append(InvokeState(req_id=f"{trace}-0", slot=slot, trace=trace, invoke=0, prompt_len=2, program=None,
                                   group_key=None, ops=[], steps=None, sink=sink, timeout_s=10.0,
@@ -75,5 +76,18 @@ def test_a_joined_gather_that_fails_leaves_each_trace_to_gather_its_own(tmp_path
     got = _finish_together(tmp_path, {})
     assert calls == [3]
     for number, trace in enumerate("abc", start=1):
+        [report] = got[trace]
+        assert report["error"] is None and torch.equal(report["saves"]["h"], torch.full((2, 4), float(number)))
+
+
+def test_rows_that_cannot_be_gathered_fail_their_invoke_rather_than_come_back_empty(tmp_path):
+    """b's rows cannot be gathered (a meta tensor: no bytes to copy; programs are refused such
+    saves at their line, see test_errors). b's report said nothing and held no saves, so its
+    invoke came back without them, as if never saved; now it fails with the reason. a and c,
+    whose rows were in the same job, arrive."""
+    got = _finish_together(tmp_path, {}, rows={"b": torch.empty((2, 4), device="meta")})
+    [b] = got["b"]
+    assert b["error"] is not None and b["error"]["where"] == "reporting results" and "meta" in b["error"]["message"]
+    for number, trace in ((1, "a"), (3, "c")):
         [report] = got[trace]
         assert report["error"] is None and torch.equal(report["saves"]["h"], torch.full((2, 4), float(number)))

@@ -15,6 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
+
 from interlace.workers import report_file
 from interlace.workers.calls import error_record
 from interlace.workers.reporter import Reporter
@@ -186,14 +188,17 @@ def _write_batch(batch: _Batch, rows: list[dict[str, Any]] | None = None) -> Non
     the batch cannot be written (e.g. an unpicklable save), each report is written alone, and
     those that still fail carry the error instead of their saves."""
     sink, trace, stage, reports, objects = batch.sink, batch.trace, batch.stage, batch.reports, batch.objects
+    gathered = False  # whether the reports hold their saves (the rows were gathered)
     try:
         for report in reports:
             report["shared"] = [(name, how, v.get() if isinstance(v, HostRows) else v)
                                 for name, how, v in report["shared"]]
         with open_sink(sink).batch(trace, stage) as writer:  # rows are gathered straight into the file
             def write_header(results: list[dict]) -> None:  # while the rows are still on their way
+                nonlocal gathered
                 for report, saved, values in zip(reports, results, objects):
                     report["saves"] = _with_objects(saved, values)
+                gathered = True
                 writer.finish(reports)
 
             if rows is None:
@@ -203,6 +208,11 @@ def _write_batch(batch: _Batch, rows: list[dict[str, Any]] | None = None) -> Non
         return
     except Exception as exc:  # noqa: BLE001
         batch_error = error_record(exc, where="reporting results")
+    if not gathered:  # an invoke whose saves were never gathered fails: written without them, it came back empty
+        with_rows = _owners_with_rows(batch.taken)
+        for report, values, slot in zip(reports, objects, batch.taken.wanted.tolist()):
+            if values or slot in with_rows:
+                report.update(shared=[], error=report["error"] or batch_error)
     for report in reports:
         try:
             open_sink(sink).write(trace, stage, [report])
@@ -210,6 +220,12 @@ def _write_batch(batch: _Batch, rows: list[dict[str, Any]] | None = None) -> Non
             record = error_record(exc, where="reporting results") if report["saves"] else batch_error
             report.update(saves={}, shared=[], error=report["error"] or record)
             open_sink(sink).write(trace, stage, [report])
+
+
+def _owners_with_rows(taken: TakenSaves) -> set[int]:
+    """The owners (slots) some of whose rows the take holds."""
+    return {slot for parts in taken.parts.values() for chunk, mask in parts
+            for slot in np.unique(chunk.owners[mask]).tolist()}
 
 
 def _with_objects(rows: dict[str, Any], objects: dict[str, list]) -> dict[str, Any]:

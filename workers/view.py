@@ -199,6 +199,8 @@ class ProgramView:
         name = check_name("save", name)
         if isinstance(value, (Node, ProgramView)):
             raise TypeError(_NOT_A_VALUE.format(what="save", value=value))
+        if isinstance(value, torch.Tensor):
+            check_dense("save", name, value)
         if not self._call.replaying:  # an earlier pipeline stage made this save already
             self._ctx.services.save(self._ctx, name, value)
 
@@ -210,6 +212,8 @@ class ProgramView:
         name, merge = check_name("share", name), check_merge(merge)
         if isinstance(value, (Node, ProgramView)):
             raise TypeError(_NOT_A_VALUE.format(what="share", value=value))
+        if isinstance(value, torch.Tensor):
+            check_dense("share", name, value)
         if not self._call.replaying:
             self._ctx.services.share(self._ctx, name, value, merge)
 
@@ -316,6 +320,21 @@ def check_name(what: str, name: Any) -> str:
         raise TypeError(f"{what}() name must be a non-empty string, got {name!r} ({type(name).__name__}); "
                         f"e.g. m.{what}('resid2', value)")
     return str(name)
+
+
+def check_dense(what: str, name: str, value: torch.Tensor) -> None:
+    """Refuse a tensor that a report cannot carry, at the program's line: a sparse, nested,
+    quantized or meta tensor went into the save ledger, whose row gathering failed later for the
+    whole batch of reports (a sparse one ended the trace's reports on its rank; a meta one made
+    every invoke of its trace come back without saves)."""
+    if value.is_meta:
+        raise ValueError(f"{what}({name!r}): a tensor on the meta device has no values to {what}")
+    if value.layout is not torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        dense = "value.to_padded_tensor(0)" if value.is_nested else "value.to_dense()"
+        raise TypeError(f"{what}({name!r}) takes dense tensors, got a {kind} tensor; {what} {dense} instead")
+    if value.is_quantized:
+        raise TypeError(f"{what}({name!r}) takes unquantized tensors, got {value.dtype}; {what} value.dequantize()")
 
 
 def check_forced_tokens(value: Any, vocab_size: int) -> None:
