@@ -224,6 +224,38 @@ def _save_counts(model) -> list[tuple[int, int]]:
     return [(rank["saves"]["held"], rank["saves"]["at_once"]) for rank in model.step_counts()]
 
 
+def test_saves_of_every_dtype_come_back_bit_for_bit(llama):
+    """uint16, uint32, uint64, complex32 and float8 tensors are saved as any other. The driver
+    failed the whole trace reading them ("UntypedStorage has no attribute 'dtype'": torch's own
+    pickling cannot read them back), and rows too many for a report's header failed their
+    invoke ("index_copy_cpu not implemented for 'UInt16'"). One invoke (its rows in the report's
+    header) and eight with long prompts (in its data region), against the same conversion of
+    the float32 values saved beside them."""
+    dtypes = [torch.uint16, torch.uint32, torch.uint64, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+    def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if dtype.is_floating_point or dtype.is_complex:
+            return x.to(dtype)
+        return (x * 1000).to(torch.int64).to(dtype)
+
+    @interlace.batched
+    def program(m):
+        h = m.layers[0].resid.float()
+        m.save("f32", h)
+        for dtype in dtypes:
+            m.save(str(dtype), convert(h, dtype))
+
+    for prompts in (["Hi"], [PROMPT * 16] * 8):  # 3 KiB a row: some 700 rows, past ROWS_IN_HEADER (1 MiB)
+        with llama.trace(max_tokens=2) as tr:
+            for prompt in prompts:
+                tr.invoke(prompt, program=program)
+        for result in tr.result:
+            for dtype in dtypes:
+                saved, want = result.saves[str(dtype)], convert(result.saves["f32"], dtype)
+                assert saved.dtype == dtype and saved.shape == want.shape
+                assert torch.equal(saved.view(torch.uint8), want.view(torch.uint8)), dtype
+
+
 def test_a_steps_saves_are_snapshots_kept_in_the_order_made(llama, oracles):
     """A program's saves of a step are kept together (one ledger entry per run of saves of the
     same rows) but each is the value as it was when saved, and one name saved twice in a step

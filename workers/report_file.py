@@ -431,23 +431,21 @@ class _HeaderPickler(pickle.Pickler):
         self._start, self._stop = start, start + length
 
     def reducer_override(self, obj: Any) -> Any:
+        # Every dtype but the quantized ones goes as raw bytes: torch's own pickling cannot read
+        # back uint16, uint32, uint64, complex32 or any float8 tensor (the driver failed the whole
+        # trace with "UntypedStorage has no attribute 'dtype'", torch 2.13)
         if type(obj) is not torch.Tensor or not obj.is_cpu or obj.layout is not torch.strided:
             return NotImplemented
         if self._data_ptr is not None:  # a view of the region: its first byte lies in it
             offset = obj.data_ptr() - self._data_ptr
             if self._start <= offset < self._stop:
                 return _region_view, (_dtype_name(obj.dtype), offset - self._start, tuple(obj.shape), obj.stride())
-        if obj.requires_grad or obj.is_conj() or obj.is_neg() or obj.dtype not in _RAW_DTYPES:
+        if obj.requires_grad or obj.is_conj() or obj.is_neg() or obj.is_quantized:
             if obj.untyped_storage().nbytes() > obj.nbytes:
                 return obj.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
             return NotImplemented
         raw = obj.contiguous().view(-1).view(torch.uint8).numpy()  # its own bytes only, not a copy where contiguous
         return _inline_tensor, (_dtype_name(obj.dtype), tuple(obj.shape), pickle.PickleBuffer(raw))
-
-
-# dtypes whose tensors go into a header as raw bytes (torch's own pickling for any other)
-_RAW_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                         torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
 
 
 def _inline_tensor(dtype: str, shape: tuple, raw: Any) -> torch.Tensor:

@@ -210,10 +210,10 @@ def _gather_on_device(plan: "_Gather", out: torch.Tensor) -> None:
     server's many one-invoke traces at once (taps.TappedSaves) holds every trace's rows, and each
     trace's report takes its own (at 64 clients, 1/64 of every chunk)."""
     lo, hi = _spans(plan.row_chunk, plan.row_source, len(plan.chunks))
-    rows = torch.cat([chunk.rows[a:b] for chunk, a, b in zip(plan.chunks, lo.tolist(), hi.tolist())])
+    rows = torch.cat([_plain(chunk.rows[a:b]) for chunk, a, b in zip(plan.chunks, lo.tolist(), hi.tolist())])
     sizes = hi - lo
     order = (np.cumsum(sizes) - sizes - lo)[plan.row_chunk] + plan.row_source  # each destination row's source
-    copy_to_host(out, rows.index_select(0, device_index(torch.from_numpy(order), rows.device)), wait=False)
+    copy_to_host(_plain(out), rows.index_select(0, device_index(torch.from_numpy(order), rows.device)), wait=False)
 
 
 def _spans(row_chunk: np.ndarray, row_source: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -253,11 +253,11 @@ def _copy(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
 def _copy_run(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
     scratch = torch.empty(0, dtype=torch.uint8)  # rows picked out of a chunk, reused: fresh memory
     for copy, out in copies:  # for each chunk would fault in its pages every time
-        rows, target = copy.rows, out
+        rows, target = _plain(copy.rows), _plain(out)
         if copy.nbytes >= _WIDE_BYTES:
             rows, target = _wide_rows(rows), _wide_rows(out)
             if (rows.dtype, rows.shape[1:]) != (target.dtype, target.shape[1:]):  # one could not be widened: both as they are
-                rows, target = copy.rows, out
+                rows, target = _plain(copy.rows), _plain(out)
         if copy.source is not None and isinstance(copy.dest, slice):  # picked straight into their place
             torch.index_select(rows, 0, copy.source, out=target[copy.dest])
             continue
@@ -270,6 +270,20 @@ def _copy_run(copies: list[tuple[_Copy, torch.Tensor]]) -> None:
             target[copy.dest].copy_(rows)  # one run (e.g. a single invoke)
         else:
             target.index_copy_(0, copy.dest, rows)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a dtype torch's indexed copies have kernels for: the same bytes as integers of its
+    element's size for dtypes that have none (uint16, uint32, uint64, float8, float4: a program may
+    save them, and their gather failed with "index_copy_cpu not implemented for 'UInt16'")."""
+    if t.dtype in _INDEXABLE:
+        return t
+    return t.view(_SAME_SIZE[t.element_size()])
+
+
+_INDEXABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
 
 
 # Copies smaller than this copy their rows as they are: widening takes four views of each side,
