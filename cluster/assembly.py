@@ -33,7 +33,7 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
 
     # Only the final output is read: an async engine (a replica) otherwise builds and yields every
     # request's output at every step (vllm.LLM sets this itself).
-    settings = {"output_kind": RequestOutputKind.FINAL_ONLY, **settings}
+    settings, user_extra = _sampling_settings({"output_kind": RequestOutputKind.FINAL_ONLY, **settings})
     gang_size = sum(p is not None for p in payloads)  # enter vLLM's scheduler together (workers/scheduler.py)
     requests, params = [], []
     parked: dict[int, dict] = {}  # id of a payload's program or ops bytes -> what its requests carry instead
@@ -53,8 +53,28 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
                 if payload.steps is None or 0 in payload.steps:
                     extra[WHOLE_PROMPT_KEY] = True  # the program sees the prompt at once
         requests.append(prompt)
-        params.append(SamplingParams(**settings, extra_args=extra))
+        params.append(SamplingParams(**settings, extra_args={**user_extra, **extra} if extra else dict(user_extra) or None))
     return requests, params
+
+
+def _sampling_settings(settings: dict) -> tuple[dict, dict]:
+    """The trace's ``SamplingParams`` fields, and the user's own ``extra_args`` (for their
+    logits processors), which interlace's keys join in each intervened request: passed as a
+    field they collided with them ("got multiple values for keyword argument 'extra_args'").
+    ``structured_outputs`` may be a dict (a sweep's YAML, a script): vLLM wants its
+    ``StructuredOutputsParams``, and failed with "'dict' object has no attribute '_backend'"."""
+    settings = dict(settings)
+    user_extra = settings.pop("extra_args", None) or {}
+    if not isinstance(user_extra, dict):
+        raise TypeError(f"extra_args must be a dict, got {type(user_extra).__name__}")
+    taken = sorted(key for key in user_extra if str(key).startswith("interlace"))
+    if taken:
+        raise ValueError(f"extra_args keys starting with 'interlace' are interlace's own; rename {taken}")
+    if isinstance(settings.get("structured_outputs"), dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
+    return settings, user_extra
 
 
 def _parked(payload: InvokePayload, sink: str, wire_trace: str, parked: dict[int, dict]) -> dict:

@@ -256,6 +256,30 @@ def test_saves_of_every_dtype_come_back_bit_for_bit(llama):
                 assert torch.equal(saved.view(torch.uint8), want.view(torch.uint8)), dtype
 
 
+def test_structured_outputs_and_extra_args_reach_vllm_beside_a_program(llama):
+    """``structured_outputs`` given as a dict (a sweep's YAML, a script) failed with "'dict'
+    object has no attribute '_backend'", and the user's ``extra_args`` (for their logits
+    processors) with "got multiple values for keyword argument 'extra_args'": interlace's
+    payload travels there too. Both now reach vLLM, beside the program."""
+    import re
+
+    from interlace.cluster.assembly import build_requests
+    from interlace.core.trace import Invoke, encode_payloads
+
+    program = lambda m: m.save("h", m.layers[0].resid)  # noqa: E731
+    out = llama.generate(PROMPT, program=program, max_tokens=4, structured_outputs={"regex": "[ab]{3}"})
+    assert re.fullmatch("[ab]{3}", out.text) and "h" in out.saves
+    out = llama.generate(PROMPT, program=program, max_tokens=2, extra_args={"mine": 1})
+    assert "h" in out.saves
+    invokes = [Invoke(PROMPT, program=program), Invoke(PROMPT)]
+    payloads = encode_payloads(invokes, "t", "dir:/tmp/unused", 60.0, 1 << 20)
+    _prompts, params = build_requests([PROMPT, PROMPT], payloads, {"max_tokens": 2, "extra_args": {"mine": 1}}, "t")
+    assert params[0].extra_args["mine"] == 1 and "interlace" in params[0].extra_args
+    assert params[1].extra_args == {"mine": 1}  # a plain request keeps the user's own
+    with pytest.raises(ValueError, match="extra_args keys starting with 'interlace' are interlace's own"):
+        llama.generate(PROMPT, program=program, max_tokens=2, extra_args={"interlace_gang": 1})
+
+
 def test_a_steps_saves_are_snapshots_kept_in_the_order_made(llama, oracles):
     """A program's saves of a step are kept together (one ledger entry per run of saves of the
     same rows) but each is the value as it was when saved, and one name saved twice in a step
