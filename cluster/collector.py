@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from interlace.core.merge import MergeError, merge_shared
-from interlace.core.wire import Report
+from interlace.core.wire import Report, portable
 
 Key = tuple[int, int]  # (invoke, stage)
 
@@ -122,10 +122,12 @@ def _deliver(received) -> TraceReports:
         by_invoke.setdefault(report.invoke, []).append(report)
         contributions += [(report.invoke, name, how, value) for name, how, value in report.shared]
         failed = failed or report.error is not None
+    for report in received:  # back to the driver through Ray (core.wire.portable)
+        report.shared = portable(report.shared)
     if failed:  # the trace fails with its first error; nothing to merge
         return TraceReports(by_invoke, {})
     try:
-        return TraceReports(by_invoke, merge_shared(contributions))
+        return TraceReports(by_invoke, portable(merge_shared(contributions)))
     except MergeError as exc:  # the programs' contributions: the trace fails on the driver, its results kept
         return TraceReports(by_invoke, {}, merge_error=exc)
 

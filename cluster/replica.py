@@ -40,7 +40,7 @@ from interlace.cluster.janitor import remove_on_exit
 from interlace.cluster.placement import host_actor_options
 from interlace.cluster.serve.state import SharedState
 from interlace.core import settings
-from interlace.core.wire import Completion, EngineDeath, Report, SavesOnNode, SavesRef, ShardTask
+from interlace.core.wire import Completion, EngineDeath, Report, SavesOnNode, SavesRef, ShardTask, portable
 from interlace.workers.flight import culprit, read_records
 from interlace.workers.sink import DirSink, discard
 
@@ -302,6 +302,8 @@ class Replica:
 
         watcher = await self._watch(task, expected)
         reports = [Report.from_worker(raw, trace=task.trace, attempt=task.attempt) for raw in watcher.reports]
+        for report in reports:  # to the collector, through Ray
+            report.shared = _compact(report.shared)
         saving = [r for r in reports if r.saves]
         if saving and task.driver_node == ray.get_runtime_context().get_node_id():
             for report in saving:  # the driver maps the files itself, and removes them
@@ -402,7 +404,7 @@ class Replica:
                     if payload is not None and any((payload.invoke, s) in watcher.wanted for s in range(task.stages)):
                         continue
                     mine = [r for r in watcher.reports if payload is not None and r["invoke"] == payload.invoke]
-                    yield ("invoke", j, finished[j], [Report.from_worker({**raw, "saves": _compact(raw["saves"])},
+                    yield ("invoke", j, finished[j], [Report.from_worker({**raw, "saves": _compact(raw["saves"]), "shared": _compact(raw["shared"])},
                                                                         trace=task.trace, attempt=task.attempt)
                                                       for raw in mine])
                     sent.add(j)
@@ -526,7 +528,7 @@ def compact_outcome(outcome: ShardOutcome) -> ShardOutcome:
     """``outcome`` with every saved tensor in its own storage, to send to another process (a view
     of a report file's mapping would be pickled with all of the mapping)."""
     for report in outcome.reports:
-        report.saves = _compact(report.saves)
+        report.saves, report.shared = _compact(report.saves), _compact(report.shared)
     return outcome
 
 
@@ -544,11 +546,12 @@ async def _final(stream):
 
 
 def _compact(value: Any) -> Any:
-    """``value`` with every tensor copied to its own storage (a view pickles its whole base)."""
+    """``value`` with every tensor copied to its own storage (a view pickles its whole base), in a
+    form that unpickles in another process (core.wire.portable)."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        return portable(value.clone())
     if isinstance(value, dict):
         return {k: _compact(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

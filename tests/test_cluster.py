@@ -147,6 +147,30 @@ def test_a_large_trace_is_split_across_replicas_and_its_shared_values_merge(clus
     assert got.shared["rows"].numel() == 64 * 2 * 128  # every invoke's last row, at both steps
 
 
+def test_shared_values_of_every_dtype_come_back_through_the_collector(cluster, llama):
+    """Shared contributions cross Ray twice (replica to collector, collector to driver), where
+    torch's own pickling cannot read back uint16, float8 or complex32 tensors: such a trace
+    failed with "UntypedStorage has no attribute 'dtype'". They come back as on one engine."""
+
+    def program(m):
+        h = m.layers[0].resid.float()[-1:]
+        m.share("u16", (h * 1000).to(torch.int64).to(torch.uint16), merge="append")
+        m.share("f8", h.to(torch.float8_e4m3fn), merge="concat")
+        m.share("c32", h.to(torch.complex32), merge="append")
+
+    results = []
+    for target in (cluster, llama):
+        with target.trace(max_tokens=2) as tr:
+            tr.invoke("The capital of France is", program=program)
+            tr.invoke("Once upon a time", program=program)
+        results.append(tr.result.shared)
+    got, want = results
+    assert [v.dtype for v in got["u16"]] == [torch.uint16] * 4 and got["f8"].dtype == torch.float8_e4m3fn
+    for name in ("u16", "c32"):
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got[name], want[name]))
+    assert torch.equal(got["f8"].view(torch.uint8), want["f8"].view(torch.uint8))
+
+
 def test_the_collector_counts_a_duplicated_or_stale_report_once(cluster):
     import ray
 

@@ -137,6 +137,34 @@ def test_one_script_gives_the_same_results_on_a_model_a_cluster_and_the_endpoint
         cluster.close()
 
 
+def test_saves_and_shares_of_every_dtype_come_back_through_the_endpoint(coder):
+    """A program's uint16, float8 and complex32 tensors crossed Ray from the engine replica to the
+    ingress with torch's own pickling, which cannot read them back (HTTP 500, "UntypedStorage has
+    no attribute 'dtype'"); complex128 and float8_e8m0fnu ones, which a .safetensors answer
+    cannot hold, failed the answer (HTTP 500, KeyError). Each comes back bit for bit."""
+    dtypes = [torch.uint16, torch.float8_e4m3fn, torch.complex32, torch.complex128, torch.float8_e8m0fnu]
+
+    def convert(x, dtype):
+        return x.to(dtype) if dtype.is_floating_point or dtype.is_complex else (x * 1000).to(torch.int64).to(dtype)
+
+    def program(m):
+        h = m.layers[0].resid.float()
+        m.save("f32", h)
+        for dtype in dtypes:
+            m.save(str(dtype), convert(h, dtype))
+        m.share("u16", convert(h[-1:], torch.uint16), merge="append")
+
+    with coder.trace(max_tokens=2) as tr:
+        tr.invoke("The capital of France is", program=program)
+    saves = tr.result[0].saves
+    for dtype in dtypes:
+        want = convert(saves["f32"], dtype)
+        assert saves[str(dtype)].dtype == dtype and torch.equal(saves[str(dtype)].view(torch.uint8), want.view(torch.uint8))
+    shared = tr.result.shared["u16"]
+    assert len(shared) == 2 and all(v.dtype == torch.uint16 for v in shared)
+    assert torch.equal(shared[-1], convert(saves["f32"][-1:], torch.uint16))
+
+
 def test_two_users_sending_the_same_stateful_program_at_once_each_get_their_own_state(endpoint, coder):
     """Equal program bytes from two traces in flight at once (a lab's shared script) were loaded
     once on the engine, so each trace's counter also counted the other's steps."""

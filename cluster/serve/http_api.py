@@ -5,7 +5,8 @@ A trace request is JSON (:class:`TraceRequest`): invokes with a prompt, declarat
 and, with a token whose role allows code, a program (base64 cloudpickle). A result
 (:class:`TraceResponse`) carries tokens and text as JSON and every saved or shared tensor in one
 base64 ``.safetensors`` file, named ``invokes.<i>.<save name>`` and ``shared.<name>``; saved values
-that are not tensors go as JSON where they can, else (code tokens only) pickled. With
+that are not tensors go as JSON where they can, else (code tokens only) pickled, as do tensors of
+dtypes that file cannot hold (complex128, complex32, float4, float8_e8m0fnu: only programs make them). With
 ``Accept: application/octet-stream`` the result is that ``.safetensors`` file itself, the rest of
 the response in its ``__metadata__["interlace"]``.
 
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from interlace.cluster.config import InlineTensor, OpSpec, Positions
 from interlace.core.trace import InvokeResult, TraceResult
+from interlace.core.wire import portable
 
 ROLES = ("ops", "code")
 SAFETENSORS_TYPE = "application/octet-stream"
@@ -168,13 +170,15 @@ def encode_result(trace_id: str, result, allow_objects: bool,
 
     tensors, values, objects = {}, {}, {}
     for key, value in flat_values(result).items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and str(value.dtype) in _SAFETENSORS_DTYPES:
             if key not in leave_out:
                 tensors[key] = value.detach().cpu().contiguous().clone()  # clone: safetensors refuses shared storage
+        elif isinstance(value, torch.Tensor) and not allow_objects:
+            raise ValueError(f"{key} is a {value.dtype} tensor, which a .safetensors answer cannot carry")
         elif _json_able(value):
             values[key] = value
         elif allow_objects:
-            objects[key] = value
+            objects[key] = portable(value)
         else:
             raise ValueError(f"{key} is a {type(value).__name__}, which cannot be sent as JSON")
     response = TraceResponse(
@@ -186,6 +190,14 @@ def encode_result(trace_id: str, result, allow_objects: bool,
         objects=base64.b64encode(cloudpickle.dumps(objects)).decode() if objects else None,
         tensors_in_events=bool(leave_out))
     return response, tensors
+
+
+# What a .safetensors file carries (safetensors 0.8); a program's complex128, complex32, float4 or
+# float8_e8m0fnu tensor goes with the pickled objects (code callers: no other runs programs)
+_SAFETENSORS_DTYPES = frozenset({"torch.float64", "torch.float32", "torch.float16", "torch.bfloat16", "torch.int64",
+                                 "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.uint16",
+                                 "torch.uint32", "torch.uint64", "torch.bool", "torch.float8_e4m3fn",
+                                 "torch.float8_e5m2", "torch.complex64"})
 
 
 def tensors_b64(tensors: dict) -> str:

@@ -57,6 +57,58 @@ class ErrorRecord:
 Shared = tuple[str, str, Any]  # (name, merge, value): one contribution to a trace-shared value
 
 
+# dtypes torch's own pickling reads back; others (uint16, uint32, uint64, complex32, float8 and
+# float4 kinds) failed to unpickle ("UntypedStorage has no attribute 'dtype'", torch 2.13)
+_PICKLED_BY_TORCH = frozenset({"torch.float64", "torch.float32", "torch.float16", "torch.bfloat16", "torch.int64",
+                               "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.bool",
+                               "torch.complex64", "torch.complex128"})
+
+
+def portable(value: Any) -> Any:
+    """``value`` as it may be pickled to another process: tensors in it (in dicts, lists and
+    tuples) where torch's own pickling could not read them back become :class:`RawTensor`."""
+    if type(value) in (dict, list, tuple):
+        items = value.items() if type(value) is dict else enumerate(value)
+        if not any(type(v) in (dict, list, tuple) or _unpicklable(v) for _k, v in items):
+            return value
+        if type(value) is dict:
+            return {k: portable(v) for k, v in value.items()}
+        return type(value)(portable(v) for v in value)
+    return RawTensor(value) if _unpicklable(value) else value
+
+
+def _unpicklable(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and type(value).__module__.startswith("torch") and str(dtype) not in _PICKLED_BY_TORCH
+
+
+class RawTensor:
+    """A tensor that pickles as its raw bytes and unpickles as a plain tensor (see :func:`portable`):
+    saves and shared values cross Ray between a replica and the driver or Serve's ingress."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any):
+        self.tensor = tensor
+
+    def __reduce__(self):
+        import torch
+
+        t = self.tensor.detach().contiguous()
+        raw = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return tensor_of_bytes, (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+
+
+def tensor_of_bytes(dtype: str, shape: tuple, raw: bytes) -> Any:
+    """The tensor a :class:`RawTensor` pickled."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    if not raw:
+        return torch.empty(shape, dtype=kind)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kind).view(shape)
+
+
 @dataclass
 class Report:
     """One invoke's outcome on one pipeline stage: saves, shared contributions, error."""
