@@ -43,10 +43,16 @@ CLUSTER = {"model": "tiny-llama", "replicas": 2, "cpu_cores": [[0], [1]]}
 RAY_AGENTS = ("ray::RuntimeEnvAgent", "ray::DashboardAgent")
 
 PROGRAMS = textwrap.dedent('''
+    import torch
+
+
     def keep_or_fail(m):
-        """Saves and shares; fails on prompts of exactly 8 tokens (data-dependent, as user code does)."""
+        """Saves and shares; fails on prompts of exactly 8 tokens (data-dependent, as user code does);
+        saves a complex128 spectrum, which a sweep's file cannot store, on prompts of 7."""
         if m.step == 0 and len(m.positions[0]) == 8:
             raise ValueError("eight-token prompt")
+        if m.step == 0 and len(m.positions[0]) == 7:
+            m.save("spectrum", torch.fft.rfft(m.layers[0].resid.double(), dim=-1))
         m.layers[1].resid += 0.25
         m.save("r2", m.layers[2].resid)
         m.share("total", m.layers[2].resid.sum(), merge="sum")
@@ -230,6 +236,20 @@ def test_a_rerun_skips_every_finished_shard(ops_sweep):
     assert again["status"] == "complete" and again["summary"]["prompts_this_run"] == 0
 
 
+def test_a_shared_value_the_sweeps_file_cannot_store_is_reported_and_the_others_kept():
+    """A complex128 partial would have stopped the whole sweep at the shard's file (as the saves
+    in the program sweep above would); it is a shared error of the shard, the others written."""
+    from interlace.cluster.sweep.shard_writer import Outcome, PromptRow, _shared_partials
+
+    rows = [PromptRow(i, i, [5, 6]) for i in range(2)]
+    outcomes = {i: Outcome(shared=[("phase", "sum", torch.ones(3, dtype=torch.complex128)), ("n", "sum", torch.ones(1))])
+                for i in range(2)}
+    partials, meta, errors = _shared_partials(rows, outcomes)
+    assert list(partials) == ["n"] and torch.equal(partials["n"], torch.full((1,), 2.0)) and list(meta) == ["n"]
+    assert errors == ["shared value 'phase' (sum) is a torch.complex128 tensor, which a sweep's safetensors file cannot "
+                      "store; share torch.view_as_real(x) for a complex one, or x.view(torch.uint8)"]
+
+
 def test_a_shard_sent_again_after_its_commit_returns_the_committed_record_without_running(tmp_path):
     """Ray Data sends a shard again when its actor died after the commit but before its answer
     reached the driver (a node lost right then): the runner it reaches returns the record that
@@ -303,7 +323,7 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
         import sweep_programs
     finally:
         sys.path.remove(str(tmp_path))
-    good = [i for i, p in enumerate(prompts) if len(p) != 8]
+    good = [i for i, p in enumerate(prompts) if len(p) not in (7, 8)]
     with llama.trace(max_tokens=2) as tr:  # the engine's workers cannot import sweep_programs: sent by value
         for i in good:
             tr.invoke(prompts[i], program=sweep_programs.keep_or_fail)
@@ -317,9 +337,13 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
         assert_close(sweep[i].saves["r2"], want.saves["r2"])
         assert_close(plain[i]["r2"], want.saves["r2"])
     for i in set(range(200)) - set(good):
-        assert "ValueError" in sweep[i].error and "eight-token prompt" in sweep[i].error
+        if len(prompts[i]) == 8:  # failed before it printed
+            assert "ValueError" in sweep[i].error and "eight-token prompt" in sweep[i].error
+            assert sweep[i].printed is None
+        else:  # its program ran (and printed); the whole sweep stopped at the shard's file
+            assert "save 'spectrum' is a torch.complex128 tensor, which a sweep's safetensors file cannot store" in sweep[i].error
+            assert sweep[i].printed == "step 0\nstep 1\n"
         assert sweep[i].saves == {}  # a failed prompt keeps no saves
-        assert sweep[i].printed is None
     errors = [sweep[200 + k].error for k in range(4)]
     assert errors[0].startswith("empty prompt")
     assert "outside the vocabulary" in errors[1] and "10000000" in errors[1]

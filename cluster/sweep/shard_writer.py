@@ -35,7 +35,7 @@ from typing import Any, Callable
 from interlace.core.merge import merge_values
 from interlace.cluster.replica import Replica
 from interlace.cluster.sweep.store import SweepStore, attempt_stem
-from interlace.cluster.sweep.tensor_file import joined_shape
+from interlace.cluster.sweep.tensor_file import joined_shape, storable
 from interlace.core.trace import Invoke, check_ops, encode_payloads
 from interlace.core.wire import ShardTask, printed_text
 from interlace.workers.points import ModuleTree
@@ -352,6 +352,9 @@ def _as_rows(saves: dict[str, Any], parts: dict[str, list]):
         if not isinstance(value, torch.Tensor):
             return {}, (f"save {name!r} is a {type(value).__name__}; a sweep stores tensors only "
                         "(save torch.tensor(value), or share it with m.share)")
+        if not storable(value.dtype):  # (the whole sweep stopped, at the shard's file)
+            return {}, (f"save {name!r} is a {value.dtype} tensor, which a sweep's safetensors file cannot store; "
+                        "save torch.view_as_real(x) for a complex one, or x.view(torch.uint8)")
         value = value.detach().cpu().reshape(1) if value.dim() == 0 else value.detach().cpu()
         if name in parts:
             first = parts[name][0]
@@ -407,10 +410,15 @@ def _shared_partials(rows: list[PromptRow], outcomes: dict[int, Outcome]):
             continue
         how = hows[name].pop()
         try:
-            partials[name] = _partial(values, how).contiguous()
+            partial = _partial(values, how).contiguous()
         except (RuntimeError, ValueError) as exc:
             errors.append(f"shared value {name!r} ({how}): {exc}")
             continue
+        if not storable(partial.dtype):
+            errors.append(f"shared value {name!r} ({how}) is a {partial.dtype} tensor, which a sweep's safetensors "
+                          "file cannot store; share torch.view_as_real(x) for a complex one, or x.view(torch.uint8)")
+            continue
+        partials[name] = partial
         meta[name] = {"merge": how, "count": len(values)}
     return partials, meta, errors
 

@@ -34,6 +34,12 @@ _DTYPES = {
 _CHUNK = 1 << 30  # bytes per write call (Linux writes at most 2 GiB - 4 KiB at once)
 
 
+def storable(dtype: torch.dtype) -> bool:
+    """Whether a safetensors file holds tensors of ``dtype`` (not complex128, complex32, float4 or
+    float8_e8m0fnu)."""
+    return dtype in _DTYPES
+
+
 def joined_shape(parts: Sequence[torch.Tensor]) -> list[int]:
     """The shape of ``torch.cat(parts)`` (rows added up, the rest from the first part); one part
     keeps its own shape, a 0-dimensional one included."""
