@@ -691,6 +691,22 @@ def test_m_used_from_another_thread_raises_there_and_the_program_goes_on(llama, 
     _still_serves(llama, oracles)
 
 
+def test_an_m_kept_past_its_step_says_so_when_used(llama, oracles):
+    """A program that keeps ``m`` and reads through it at a later step got "no module 'resid'
+    under 'layers.1'" (the missing call's AttributeError, raised in the ``resid`` property, was
+    taken for a missing attribute); now it is told that this m's step is over."""
+    kept = []
+
+    def program(m):
+        kept.append(m)
+        if m.step == 2:
+            kept[0].layers[1].resid
+
+    with pytest.raises(interlace.InterventionError, match=r"failed at step 2: RuntimeError: this m is from a step that is over"):
+        llama.generate(PROMPT, program=program, max_tokens=3, ignore_eos=True)
+    _still_serves(llama, oracles)
+
+
 def test_a_program_that_prints_without_end_keeps_64_kib_and_says_how_much_more(llama):
     """workers/printed.py: an invoke keeps printed.LIMIT characters of its program's output; the
     rest is counted in a last line, and the invoke succeeds."""

@@ -300,9 +300,8 @@ class ProgramCall:
         garbage only the collector could free: with a program per invoke (256 invokes x 32 steps,
         tiny model, 2-core CPU, bench/step_probe.py) the collections took 12 ms a step (full ones
         of 110-125 ms), and 3 ms once released. A program that keeps ``m`` past its step finds it
-        unbound until the view serves its invoke's next step."""
-        held = self.view.__dict__
-        held["_call"] = held["_current"] = held["_current_value"] = held["_pending_write"] = None
+        unbound (view.STEP_OVER) until the view serves its invoke's next step."""
+        self.view._bind(None)
         self._greenlet = None
 
     def time_out(self) -> None:

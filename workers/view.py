@@ -128,9 +128,9 @@ class ProgramView:
 
     def _bind(self, call) -> None:
         """The call this view serves from now on: a new one each step (reused views: see
-        ProgramCall.again), None once the step is over."""
+        ProgramCall.again), or None once the step is over (ProgramCall.release)."""
         held = self.__dict__
-        held["_call"] = call
+        held["_call"] = STEP_OVER if call is None else call
         held["_current"] = held["_current_value"] = held["_pending_write"] = None
 
     # --- step and batch facts -------------------------------------------------------------------
@@ -307,6 +307,22 @@ class ProgramView:
 
 
 # m and its modules live in the engine: saved, they failed the invoke at its report, unpicklable
+class _StepOver:
+    """The call of a view whose step is over: a program that kept ``m`` (in a global, a closure)
+    and uses it in a later step or trace gets this error. The AttributeError of a missing call,
+    raised in a property such as ``resid``, was taken by Python for a missing attribute and
+    answered with the tree's "no module 'resid' under 'layers.0'"."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("this m is from a step that is over (the program kept it, e.g. in a global or a list); "
+                           "use the m the program is called with at each step")
+
+
+STEP_OVER = _StepOver()
+
+
 _NOT_A_VALUE = ("{what}() takes a value (a tensor, a number, a list...), not {value!r}: {what} what you read "
                 "from it, e.g. m.{what}('h', m.layers[1].resid)")
 
