@@ -6,6 +6,7 @@ models, so a setting means the same thing everywhere.
     >>> from interlace.cluster.config import ModelConfig
     >>> cfg = ModelConfig.load("tiny-llama")                 # a bundled config, by name
     >>> cfg = ModelConfig.load("configs/models/mine.yaml")   # or any YAML file
+    >>> cfg = ModelConfig.load("/models/Llama-3.2-1B")       # or a checkpoint folder (or a Hugging Face id)  # doctest: +SKIP
     >>> cfg.model_copy(update={"tensor_parallel_size": 2}).world_size
     2
 """
@@ -44,10 +45,12 @@ class ModelConfig(BaseModel):
 
     name: str = Field(description="Short name used in logs, metrics and results.")
     source: str = Field(
-        description="'embedded:<name>' for a bundled tiny model, or a local checkpoint folder."
+        description="'embedded:<name>' for a bundled tiny model, a local checkpoint folder, or a Hugging Face "
+        "model id (vLLM finds it in the Hugging Face cache or downloads it)."
     )
     dtype: str = Field("auto", description="Weights and activations dtype, as vLLM spells it.")
-    max_model_len: int = Field(512, gt=0, description="Longest prompt plus generation, in tokens.")
+    max_model_len: int | None = Field(512, gt=0, description="Longest prompt plus generation, in tokens; None: "
+                                      "the model's own, as vLLM takes it.")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks one layer is split across.")
     pipeline_parallel_size: int = Field(1, ge=1, description="Stages the layers are split into.")
     seed: int = Field(0, description="Engine sampling seed.")
@@ -87,22 +90,31 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "ModelConfig":
-        """Load a bundled config by name (``"tiny-llama"``) or any YAML file by path."""
+        """Load a bundled config by name (``"tiny-llama"``), any YAML file by path, or the config
+        vLLM would take for a checkpoint: a local Hugging Face checkpoint folder, or a Hugging
+        Face model id (``"meta-llama/Llama-3.2-1B"``; vLLM finds it in the Hugging Face cache or
+        downloads it), with vLLM's defaults: dtype "auto" and the model's own context length. Overrides go to ``Model``:
+        ``Model("/models/llama-8b", max_model_len=4096, tensor_parallel_size=2)``."""
         path = Path(name_or_path)
         if path.suffix in (".yaml", ".yml"):
             return cls.model_validate(_read_yaml(path))
         bundled = resources.files("interlace.configs") / "models" / f"{name_or_path}.yaml"
-        if not bundled.is_file():
-            known = sorted(
-                p.name.removesuffix(".yaml")
-                for p in (resources.files("interlace.configs") / "models").iterdir()
-                if p.name.endswith(".yaml") and ".example" not in p.name
-            )
-            raise ValueError(
-                f"no bundled model config {name_or_path!r}; choose one of {known} "
-                "or pass the path of a .yaml file"
-            )
-        return cls.model_validate(_read_yaml(bundled))
+        if bundled.is_file():
+            return cls.model_validate(_read_yaml(bundled))
+        if path.is_dir() and (path / "config.json").is_file():
+            return cls(name=path.resolve().name, source=str(path.resolve()), max_model_len=None)
+        text = str(name_or_path)
+        if text.count("/") == 1 and not path.exists() and all(text.split("/")):  # "org/name"
+            return cls(name=text.split("/")[1], source=text, max_model_len=None)
+        known = sorted(
+            p.name.removesuffix(".yaml")
+            for p in (resources.files("interlace.configs") / "models").iterdir()
+            if p.name.endswith(".yaml") and ".example" not in p.name
+        )
+        raise ValueError(
+            f"no model {name_or_path!r}: not a bundled config (one of {known}), a .yaml file, a checkpoint "
+            "folder with a config.json, or a Hugging Face model id (org/name)"
+        )
 
     @property
     def world_size(self) -> int:

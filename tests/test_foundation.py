@@ -35,7 +35,7 @@ def test_embedded_models_have_the_documented_shape():
 
 
 def test_config_errors_name_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(ValueError, match=r"not a bundled config \(one of \['tiny-llama', 'tiny-qwen2'\]\), a .yaml file, a checkpoint folder"):
         ModelConfig.load("no-such-model")
     with pytest.raises(ValueError, match="embedded:tiny-llama"):
         ModelConfig(name="x", source="embedded:nope")
@@ -119,3 +119,26 @@ def test_encoding_leaves_a_module_the_caller_registered_by_value_registered(tmp_
     finally:
         cloudpickle.unregister_pickle_by_value(own_study)
     assert "own_study" not in cloudpickle.list_registry_pickle_by_value()
+
+
+def test_a_checkpoint_folder_or_a_hugging_face_id_is_a_model(llama):
+    """``Model("/models/Llama-3.2-1B")``, as vLLM users name a model, was refused ("no bundled
+    model config"): a checkpoint needed a YAML file of its own. A folder with a config.json, or a
+    Hugging Face id, is now a config of its own, with vLLM's defaults (dtype "auto", the model's
+    context length); the tiny Llama's folder, in float32 as its bundled config says, serves the
+    same tokens and saves as that config."""
+    import interlace
+
+    folder = ensure_tiny_model("tiny-llama")
+    config = ModelConfig.load(str(folder))
+    assert (config.source, config.max_model_len, config.dtype) == (str(folder), None, "auto")
+    hub = ModelConfig.load("meta-llama/Llama-3.2-1B")
+    assert (hub.name, hub.source, hub.max_model_len) == ("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", None)
+    model = interlace.Model(str(folder), dtype="float32")
+    try:
+        program = lambda m: m.save("h", m.layers[1].resid)  # noqa: E731
+        got, want = (target.generate(PROMPTS[0], program=program, max_tokens=4, ignore_eos=True) for target in (model, llama))
+        assert got.token_ids == want.token_ids and torch.equal(got.saves["h"], want.saves["h"])
+        assert model.engine.llm_engine.model_config.max_model_len == 1024  # the checkpoint's own
+    finally:
+        model.close()
