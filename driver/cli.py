@@ -79,7 +79,8 @@ def _sweep(path: Path, address: str | None) -> int:
         print(f"\ninterlace sweep: stopped by {how}; finished shards are kept, and a rerun of the same command "
               "resumes", file=sys.stderr)
         return code
-    except ValueError as exc:  # a config the run refuses (another sweep in the folder, a bad program path)
+    except (ValueError, OSError) as exc:  # a config the run refuses (another sweep in the folder, a bad program
+        # path), an input path that does not exist, an output folder that cannot be made: one line, no traceback
         print(f"interlace sweep: {exc}", file=sys.stderr)
         return 2
     print(f"output: {cfg.output}")

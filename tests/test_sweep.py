@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -540,6 +541,24 @@ def test_the_example_config_loads_with_paths_from_its_folder():
     assert steer["op"] == "add" and steer["value"].shape == (128,)
     with pytest.raises(ValueError, match="give it a value"):
         SweepConfig.model_validate({**cfg.model_dump(), "intervention": {"ops": [{"op": "add", "point": "layers.1.resid"}]}})
+
+
+def test_a_missing_input_or_an_output_that_cannot_be_made_is_one_line_from_the_command(ray_cluster, tmp_path, capsys):
+    """`interlace sweep` answered both with a traceback (FileNotFoundError, NotADirectoryError)."""
+    from interlace.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    handler = signal.getsignal(signal.SIGTERM)  # main() takes SIGTERM over, as the command does
+    try:
+        for name, fields, message in (
+                ("missing", dict(input={"paths": ["nope.jsonl"]}, output="out"), "input path .*nope.jsonl does not exist"),
+                ("unmakeable", dict(input={"paths": ["nope.jsonl"]}, output="a-file/out"), "Not a directory")):
+            config = write_config(tmp_path, name, cluster={**CLUSTER, "replicas": 1}, generation={"max_tokens": 2}, **fields)
+            assert main(["sweep", str(config)]) == 2
+            err = capsys.readouterr().err
+            assert re.search(f"^interlace sweep: .*{message}", err, re.M) and "Traceback" not in err, err
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def test_a_config_that_is_not_valid_yaml_is_refused_naming_its_line(tmp_path, capsys):
