@@ -222,6 +222,20 @@ def test_a_sparse_nested_quantized_or_meta_tensor_save_fails_at_its_line(llama, 
     _still_serves(llama, oracles)
 
 
+def test_a_program_save_under_an_op_saves_name_fails_at_its_line(llama, oracles):
+    """An invoke's op saving layers.1.resid and its program saving layer 2 under the same name
+    came back as one tensor of both's rows (18 rows for a 9-token trace), indistinguishable; two
+    ops are refused that on the driver. Now the program's line fails, in its invoke alone."""
+    program = lambda m: m.save("h", m.layers[2].resid)  # noqa: E731
+    with pytest.raises(interlace.InterventionError, match=r"save\('h'\): an op of this invoke saves layers.1.resid under that name") as err:
+        with llama.trace(max_tokens=2) as tr:
+            tr.invoke(PROMPT, program=program, ops=[ops.save("layers.1.resid", name="h")])
+            tr.invoke(PROMPT, program=program, ops=[ops.save("layers.1.resid", name="h1")])
+    rows = len(oracles["tiny-llama"].ids(PROMPT)) + 1
+    assert err.value.partial[1].saves["h"].shape[0] == rows and err.value.partial[1].saves["h1"].shape[0] == rows
+    _still_serves(llama, oracles)
+
+
 def test_saving_the_model_view_or_a_module_fails_at_its_line(llama, oracles):
     """``m.save("m", m)`` failed the invoke only at its report, with pickle's "Can't pickle local
     object 'install.<locals>.begin_step'"; now at the program's line, saying what to save."""

@@ -66,6 +66,9 @@ class ProgramServices:
         write_now(ctx.invokes, self.rank["pp_rank"])
 
     def save(self, ctx: CallContext, name: str, value: Any) -> None:
+        if ctx.op_saves and name in ctx.op_saves:  # (the driver refuses two ops' saves alike: core.trace.check_ops)
+            raise ValueError(f"save({name!r}): an op of this invoke saves {ctx.op_saves[name]} under that name, and "
+                             "their rows would be joined under it, indistinguishable; give the program's save another name")
         if isinstance(value, torch.Tensor) and value.dim() >= 1:
             starts, stops = _split_rows(ctx, value, "save")
             if self._hold_save(ctx, name, value, starts, stops):

@@ -189,6 +189,12 @@ class CallContext:
     # program per invoke reads none of them on its usual path)
 
     @functools.cached_property
+    def op_saves(self) -> dict[str, str]:
+        """The save names of its invokes' declarative ops, with the point each saves: a program's
+        save under one of them would be joined with the op's rows (ProgramServices.save)."""
+        return {op.get("name") or op["point"]: op["point"] for state in self.invokes for op in state.ops if op["op"] == "save"}
+
+    @functools.cached_property
     def logs(self) -> bool:
         """Whether any of its invokes keeps a write log (write_log.py): a batched call's may
         differ (one past its limit, one that started where vLLM can never preempt it), and those
