@@ -236,6 +236,21 @@ def test_a_program_save_under_an_op_saves_name_fails_at_its_line(llama, oracles)
     _still_serves(llama, oracles)
 
 
+def test_batched_refuses_what_it_cannot_mark():
+    """``interlace.batched(3)`` or of a bound method raised AttributeError ("'method' object has
+    no attribute '__interlace_batched__'"), naming interlace's attribute, not the fix."""
+
+    class Steerer:
+        def steer(self, m):
+            m.layers[1].resid += 1
+
+    with pytest.raises(TypeError, match="interlace.batched marks a program, a function of m; got 3"):
+        interlace.batched(3)
+    for unmarkable in (Steerer().steer, print):
+        with pytest.raises(TypeError, match=r"cannot mark .* mark a function that calls it: interlace.batched\(lambda m"):
+            interlace.batched(unmarkable)
+
+
 def test_saving_the_model_view_or_a_module_fails_at_its_line(llama, oracles):
     """``m.save("m", m)`` failed the invoke only at its report, with pickle's "Can't pickle local
     object 'install.<locals>.begin_step'"; now at the program's line, saying what to save."""

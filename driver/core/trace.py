@@ -40,7 +40,13 @@ def batched(program: Callable) -> Callable:
         ... def keep_last(m):
         ...     m.save("h", m.last(m.layers[2].resid))
     """
-    program.__interlace_batched__ = True
+    if not callable(program):
+        raise TypeError(f"interlace.batched marks a program, a function of m; got {program!r}")
+    try:
+        program.__interlace_batched__ = True
+    except AttributeError:  # it keeps no attributes of its own: the mark would be lost
+        raise TypeError(f"interlace.batched cannot mark {program!r} (a bound method or a builtin keeps no attributes "
+                        "of its own); mark a function that calls it: interlace.batched(lambda m: obj.method(m))") from None
     return program
 
 
