@@ -159,9 +159,25 @@ def test_parameters_are_read_only(llama, oracles):
 
 
 def test_huge_saves_are_refused(llama, oracles):
+    """Rows past ``max_save_bytes`` are refused where they are saved, and so are saved values that
+    are not tensors and shared values, by their size in memory: a 16 MB numpy array, bytes or
+    list saved (or shared) at every step went past a 1 MiB limit, only tensors being counted."""
     with pytest.raises(interlace.InterventionError, match="exceed the limit"):
         with llama.trace(max_tokens=4, max_save_bytes=4096) as tr:
             tr.invoke(PROMPT, program=lambda m: m.save("all", m.layers[0].resid.repeat(100, 1)))
+    huge = {
+        "numpy": lambda m: m.save("x", np.zeros(1 << 20, np.float32)),
+        "bytes": lambda m: m.save("x", b"x" * (4 << 20)),
+        "list": lambda m: m.save("x", [m.layers[0].resid.repeat(10, 1)] * 100),
+        "shared list": lambda m: m.share("x", list(range(1 << 19))),
+        "shared tensor": lambda m: m.share("x", torch.zeros(1, 1 << 20)),
+    }
+    for kind, program in huge.items():
+        with pytest.raises(interlace.InterventionError, match=r"invoke 0 failed at step 0(, at layers.0.resid)?: MemoryError: saves .* exceed the limit of 1 MiB") as err:
+            with llama.trace(max_tokens=2, max_save_bytes=1 << 20) as tr:
+                tr.invoke(PROMPT, program=program)
+                tr.invoke(PROMPT, program=lambda m: m.save("small", np.zeros(8)))
+        assert len(err.value.partial[1].saves["small"]) == 2, kind
     _still_serves(llama, oracles)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -81,6 +82,7 @@ class ProgramServices:
         if isinstance(value, torch.Tensor):  # a scalar: kept whole (a batched call needs rows)
             _split_rows(ctx, value, "save")
             value = value.detach().to("cpu", copy=True)
+        self._count_value(ctx, value)
         for inv, step in zip(ctx.invokes, ctx.steps):
             inv.saves.setdefault(name, []).append(value)
             inv.save_steps.setdefault(name, []).append(step)
@@ -195,6 +197,13 @@ class ProgramServices:
             used = np.where(over, self.slots.save_used[slots], used)
         self.slots.save_used[slots] = used
 
+    def _count_value(self, ctx: CallContext, value: Any) -> None:
+        """Count a saved or shared value that is not rows against each of the call's invokes' save
+        limit, as rows are (_count_saves): a program saved a 16 MB numpy array, bytes or list at
+        every step past a 1 MiB ``max_save_bytes``, and only tensors were counted."""
+        slots = ctx.members.slots
+        self._count_saves(ctx.invokes, slots, np.ones(len(slots), np.int64), value_bytes(value), None, "")
+
     def _save_steps(self, slots: np.ndarray) -> np.ndarray:
         """Each owner's generation step (step 0: the prompt, chunks of it included), so that rows
         of steps whose tokens vLLM did not return can be left out (Interleaver.finish)."""
@@ -214,11 +223,14 @@ class ProgramServices:
     def share(self, ctx: CallContext, name: str, value: Any, merge: str) -> None:
         if isinstance(value, torch.Tensor):
             starts, stops = _split_rows(ctx, value, "share")
+            row_bytes = math.prod(value.shape[1:]) * value.element_size() if value.dim() else value.element_size()
+            self._count_saves(ctx.invokes, ctx.members.slots, stops - starts, row_bytes, None, "")
             if self.rank["tp_rank"] != 0:  # only TP rank 0 reports
                 return
             rows, ready, _ = host_copy(value)
             parts = [HostRows(rows, ready, a, b) for a, b in zip(starts.tolist(), stops.tolist())]
         elif len(ctx.invokes) == 1:
+            self._count_value(ctx, value)
             parts = [value]
         else:
             raise ValueError(f"share() in a batched call over {len(ctx.invokes)} invokes needs a tensor to split per invoke")
@@ -287,6 +299,32 @@ class ProgramServices:
             f"{present}. The sender must be scheduled in the same step as the receiver (prompts "
             "that fit one step together are) and call send() with the same name in that step."
         )
+
+
+def value_bytes(value: Any) -> int:
+    """About what a value weighs in memory: tensors and arrays their elements, bytes and strings
+    their length, containers what they hold (walked without recursion: a list nested thousands
+    deep is a value too), anything else its own size."""
+    total, stack, seen = 0, [value], 0
+    while stack:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, torch.Tensor):
+            total += item.nelement() * item.element_size()
+        elif isinstance(item, np.ndarray):
+            total += item.nbytes
+        elif isinstance(item, (bytes, bytearray, memoryview, str)):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 8 * len(item)
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 8 * len(item)
+            stack += item
+        else:
+            total += sys.getsizeof(item)
+    return total
 
 
 def _split_rows(ctx: CallContext, value: torch.Tensor, what: str) -> tuple[np.ndarray, np.ndarray]:
