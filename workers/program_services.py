@@ -305,10 +305,9 @@ def value_bytes(value: Any) -> int:
     """About what a value weighs in memory: tensors and arrays their elements, bytes and strings
     their length, containers what they hold (walked without recursion: a list nested thousands
     deep is a value too), anything else its own size."""
-    total, stack, seen = 0, [value], 0
+    total, stack = 0, [value]
     while stack:
         item = stack.pop()
-        seen += 1
         if isinstance(item, torch.Tensor):
             total += item.nelement() * item.element_size()
         elif isinstance(item, np.ndarray):

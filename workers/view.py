@@ -306,7 +306,6 @@ class ProgramView:
         return write
 
 
-# m and its modules live in the engine: saved, they failed the invoke at its report, unpicklable
 class _StepOver:
     """The call of a view whose step is over: a program that kept ``m`` (in a global, a closure)
     and uses it in a later step or trace gets this error. The AttributeError of a missing call,
@@ -323,6 +322,7 @@ class _StepOver:
 STEP_OVER = _StepOver()
 
 
+# m and its modules live in the engine: saved, they failed the invoke at its report, unpicklable
 _NOT_A_VALUE = ("{what}() takes a value (a tensor, a number, a list...), not {value!r}: {what} what you read "
                 "from it, e.g. m.{what}('h', m.layers[1].resid)")
 
