@@ -147,10 +147,15 @@ def interlace_cases(hidden: int, layers: int):
 def run_plain(llm, data, out: int) -> tuple[float, int]:
     from vllm import SamplingParams
 
+    for phases in PLAIN_PHASES:
+        phases.clear()
+    _reset_runner_times(llm)
     params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)
     started = time.perf_counter()
     result = llm.generate([{"prompt_token_ids": p} for p in data], params, use_tqdm=False)
-    return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in result)
+    seconds = time.perf_counter() - started
+    _read_runner_times(llm)
+    return seconds, sum(len(o.outputs[0].token_ids) for o in result)
 
 
 def paired(round_: int, plain: Callable[[], tuple], others: list[Callable[[], tuple]]) -> tuple[tuple, list[tuple]]:
@@ -164,16 +169,125 @@ def paired(round_: int, plain: Callable[[], tuple], others: list[Callable[[], tu
 UNHELD = "unheld"  # a case's key: its requests skip gang admission (see ungang)
 
 
+PHASES: dict[str, float] | None = None  # --phases: where the last interlace trace's time went
+
+
 def run_interlace(model, data, out: int, case: dict) -> tuple[float, int, float]:
     case = dict(case)
     unheld = case.pop(UNHELD, False)
+    if PHASES is not None:
+        PHASES.clear()
+    if STEP_TIMERS:
+        _reset_runner_times(model.engine)
     started = time.perf_counter()
     with ungang(unheld), model.trace(max_tokens=out, ignore_eos=True, timeout_s=3600) as tr:
         for p in data:
             tr.invoke(p, **case)
     seconds = time.perf_counter() - started
+    if PHASES is not None:
+        PHASES["total"] = seconds
+    if STEP_TIMERS:
+        _read_runner_times(model.engine)
     saved = sum(v.numel() * v.element_size() for r in tr.result for v in r.saves.values())
     return seconds, sum(len(r.token_ids) for r in tr.result), saved / 2**20
+
+
+def time_phases(model, plain) -> None:
+    """--phases (diagnostic): where each trace's time went on the driver, by wrapping the parts
+    that run it. Interlace's own: generate (vLLM's ``LLM.generate``: requests in, every token
+    out) and collect (waiting for and reading the workers' reports). Inside generate, on both
+    engines, vLLM's front end: add (adding the requests, first start to last end), wait (blocked
+    on the engine core's outputs; with the engine core in its own process this is its stepping
+    as the front end sees it), process (turning outputs into results), and first (from the last
+    request added to the first outputs)."""
+    global PHASES
+    PHASES = {}
+    for name in ("_generate", "_collect"):
+        _wrap(model, name, name.strip("_"), PHASES)
+    plain_phases: dict[str, float] = {}
+    PLAIN_PHASES.append(plain_phases)
+    for llm, phases in ((model.engine, PHASES), (plain, plain_phases)):
+        engine = llm.llm_engine
+        _wrap(engine, "add_request", "add", phases, span=True)
+        _wrap(engine.engine_core, "get_output", "wait", phases)
+        _wrap(engine.output_processor, "process_outputs", "process", phases)
+        llm.collective_rpc(_time_runner)
+        STEP_TIMERS.append((llm, phases))
+
+
+STEP_TIMERS: list = []  # --phases: (engine, its phases), whose runner steps are timed in the worker
+
+
+def _time_runner(worker) -> None:
+    """In the worker (sent by collective_rpc): time the model runner's calls. ``runner``: the time
+    inside execute_model and sample_tokens (interlace's work included); ``between``: the engine
+    core's time between them (its scheduler, outputs and anything else on its thread, and its
+    waits)."""
+    runner = worker.model_runner
+    state = runner.__dict__.setdefault("_bench_steps", {"runner": 0.0, "between": 0.0, "calls": 0, "last": None})
+    for name in ("execute_model", "sample_tokens"):
+        method = getattr(runner, name)
+
+        def timed(*args, _method=method, **kwargs):
+            begun = time.perf_counter()
+            if state["last"] is not None:
+                state["between"] += begun - state["last"]
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                state["last"] = time.perf_counter()
+                state["runner"] += state["last"] - begun
+                state["calls"] += 1
+        setattr(runner, name, timed)
+
+
+def _take_runner_times(worker) -> dict:
+    state = worker.model_runner._bench_steps
+    taken = {k: state[k] for k in ("runner", "between", "calls")}
+    state.update(runner=0.0, between=0.0, calls=0, last=None)
+    return taken
+
+
+def _reset_runner_times(engine) -> None:
+    for llm, _phases in STEP_TIMERS:
+        if llm is engine:
+            llm.collective_rpc(_take_runner_times)
+
+
+def _read_runner_times(engine) -> None:
+    for llm, phases in STEP_TIMERS:
+        if llm is engine:
+            [rank0, *_] = llm.collective_rpc(_take_runner_times)
+            phases.update(rank0)
+
+
+PLAIN_PHASES: list[dict[str, float]] = []  # --phases: plain vLLM's, the same parts
+
+
+def _wrap(owner, name: str, label: str, phases: dict, span: bool = False) -> None:
+    """Time ``owner.name`` into ``phases[label]`` (summed over calls; ``span``: from the first
+    call's start to the last one's end), and ``phases["first"]``: the wait for the first outputs."""
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        begun = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            ended = time.perf_counter()
+            if span:
+                phases.setdefault("_add_start", begun)
+                phases["_add_end"] = ended
+                phases[label] = ended - phases["_add_start"]
+            else:
+                phases[label] = phases.get(label, 0.0) + ended - begun
+            if label == "wait" and "first" not in phases and "_add_end" in phases:
+                phases["first"] = ended - phases["_add_end"]
+    setattr(owner, name, timed)
+
+
+def _shown(phases: dict) -> dict:
+    return {k: round(v, 3) for k, v in phases.items() if not k.startswith("_")}
 
 
 @contextlib.contextmanager
@@ -257,6 +371,8 @@ def main() -> None:
     parser.add_argument("--case-taps", action="store_true", help="with --graphs: interlace declares only the cases' "
                         "points as graph taps (5 layers' resid) instead of every layer's: what each tap costs a step "
                         "whose programs run between graph pieces (a cut and a Python break per tap)")
+    parser.add_argument("--phases", action="store_true", help="diagnostic: print where each interlace trace's time "
+                        "went on the driver (building requests, vLLM's generate, collecting reports)")
     parser.add_argument("--eager-too", action="store_true", help="with --graphs: a third engine, interlace eager (the "
                         "default), runs every case on the same prompts right after the compiled one, against the same plain run")
     args = parser.parse_args()
@@ -272,6 +388,8 @@ def main() -> None:
     import interlace
 
     print(host_line(), flush=True)
+    if args.phases:  # before the engines start: collective_rpc of the bench's own functions (time_phases)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     cfg = config(args)
     plain = plain_engine(cfg)
     hf = plain.llm_engine.model_config.hf_config
@@ -281,6 +399,8 @@ def main() -> None:
                             if args.case_taps else cfg)
     eager = interlace.Model(config(argparse.Namespace(**{**vars(args), "graphs": False}))) if args.eager_too else None
     cases = interlace_cases(hf.hidden_size, hf.num_hidden_layers)
+    if args.phases:
+        time_phases(model, plain)
     seeds = itertools.count(1)  # one stream for every size: no pair sees another's prompts (prefix cache)
     for n in args.sizes:
         run_size(args, n, plain, model, eager, cases, min(1000, hf.vocab_size), cfg, seeds)
@@ -350,7 +470,8 @@ def run_size(args, n: int, plain, model, eager, cases: dict, vocab: int, cfg, se
             print(json.dumps({"n": n, "case": name, "round": round_, "plain_s": round(p_seconds, 3),
                               "interlace_s": round(i_seconds, 3), "tokens": i_tokens,
                               "ratio": round(ratios[name][-1], 3), "saved_mib": round(saved_mib, 1),
-                              "replays": sum(model.engine.collective_rpc("interlace_replays")) - replays, **extra}),
+                              "replays": sum(model.engine.collective_rpc("interlace_replays")) - replays, **extra,
+                              **({"phases": _shown(PHASES), "plain_phases": _shown(PLAIN_PHASES[0])} if PHASES is not None else {})}),
                   flush=True)
     table = [(name, statistics.median(plain_rates[name]), *median_interval(ratios[name]), min(ratios[name]),
               max(ratios[name]), best[name][1] / best[name][0]) for name in names]
