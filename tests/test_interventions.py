@@ -161,6 +161,32 @@ def test_recv_without_sender_fails_clearly(llama, oracles):
         raise AssertionError("recv without a sender must fail")
 
 
+def test_a_name_sent_twice_in_a_step_fails_the_second_sender(llama, oracles):
+    """The receiver got the first or the second value by whether it was already waiting."""
+    ids = oracles["tiny-llama"].ids(PROMPT)
+
+    def receive(m):
+        m.save("got", m.recv("clean"))
+
+    def send_twice(m):
+        m.send("clean", torch.ones(1))
+        m.send("clean", torch.zeros(1))
+
+    for senders in ([send_twice], [lambda m: m.send("clean", torch.ones(1)), lambda m: m.send("clean", torch.zeros(1))]):
+        try:
+            with llama.trace(max_tokens=1) as tr:
+                for sender in senders:
+                    tr.invoke(ids, program=sender)
+                tr.invoke(ids, program=receive)
+        except interlace.InterventionError as err:
+            assert err.invoke == len(senders) - 1, err
+            who = "this invoke" if len(senders) == 1 else "invoke 0"
+            assert f"{who} sent 'clean' already in this step" in str(err), err
+            torch.testing.assert_close(err.partial[len(senders)].saves["got"], torch.ones(1))  # the first value
+        else:
+            raise AssertionError("a second send of one name in one step must fail")
+
+
 def test_sixteen_invokes_each_see_only_their_rows(llama, oracles):
     oracle = oracles["tiny-llama"]
     prompts = [oracle.ids(f"{word} is a day of the week number {i}") for i, word in

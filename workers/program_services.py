@@ -239,8 +239,17 @@ class ProgramServices:
             inv.shared_steps.append(step)
 
     def send(self, ctx: CallContext, name: str, value: Any) -> None:
-        trace = ctx.invokes[0].trace
-        self.step.mailbox[(trace, name)] = value
+        key = (ctx.invokes[0].trace, name)
+        sender = self.step.senders.get(key)
+        if sender is not None:
+            # A second value would replace the first, and a receiver got one or the other by
+            # whether it was already waiting at the first send: refused rather than a race.
+            who = "this invoke" if sender == ctx.invokes[0].invoke else f"invoke {sender}"
+            raise ValueError(
+                f"send({name!r}) at {ctx.step_words()}: {who} sent {name!r} already in this step, and a name "
+                f"carries one value a step; send each value under its own name (e.g. f\"{name}{{i}}\")")
+        self.step.senders[key] = ctx.invokes[0].invoke
+        self.step.mailbox[key] = value
         self.step.sent += 1
 
     def recv(self, ctx: CallContext, name: str, call: ProgramCall) -> Any:

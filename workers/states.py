@@ -263,6 +263,9 @@ class Step:
     calls: list[tuple[ProgramCall, CallContext]]
     ops: dict[tuple[str, str], list[tuple[Point, StepOp]]]  # by hook (see hooks.hook_of): ops to apply there, in order
     mailbox: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # who sent each name on this stage (values carried from an earlier stage are not counted:
+    # the programs that sent them run here too, and send them again)
+    senders: dict[tuple[str, str], int] = field(default_factory=dict)
     # Values sent so far in the step, and as many as the last pump saw: a receiver waits only for a
     # value not yet sent (recv returns one already there), so only a send gives a pump work.
     sent: int = 0
