@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from interlace.core.tiny_models import TINY_MODELS, ensure_tiny_model
+from interlace.core.trace import check_programless
 
 EMBEDDED_PREFIX = "embedded:"
 # A decoder layer's resid, or the output of one of its children (as workers/taps.py reads them).
@@ -473,6 +474,8 @@ class SweepIntervention(BaseModel):
     def _check(self) -> "SweepIntervention":
         if self.program is not None and (":" not in self.program or not all(self.program.split(":", 1))):
             raise ValueError(f"program {self.program!r}: write it as 'module:function', e.g. 'my_probes:keep_resid'")
+        if self.program is None:
+            check_programless(self.steps, self.batched)
         return self
 
 

@@ -43,6 +43,7 @@ from interlace.core.trace import (
     TraceResult,
     WorkerDied,
     check_program,
+    check_programless,
     check_trace,
     echo_printed,
     encode_payloads,
@@ -300,6 +301,8 @@ class Trace:
         prompt = prompt_of(prompt)
         if program is not None:
             check_program(program)
+        else:
+            check_programless(steps)
         self.invokes.append(Invoke(prompt, program, list(ops), step_list(steps)))
         return len(self.invokes) - 1
 

@@ -279,13 +279,17 @@ def test_saving_the_model_view_or_a_module_fails_at_its_line(llama, oracles):
 
 
 def test_program_steps_that_never_run_are_refused_before_the_trace_is_sent(llama):
-    """A program's ``steps=[-1]`` (or past max_tokens, or ``[]``) ran the trace with the program never called."""
+    """A program's ``steps=[-1]`` (or past max_tokens, or ``[]``) ran the trace with the program never
+    called; ``steps`` given with no program were ignored."""
     for steps in ([-1], [0, 3]):
         with pytest.raises(ValueError, match=r"program steps \[(-1|3)\] never run in a trace with max_tokens=3"):
             llama.generate(PROMPT, program=lambda m: None, steps=steps, max_tokens=3)
     assert llama.generate(PROMPT, program=lambda m: m.save("s", m.step), steps=[2], max_tokens=3).saves["s"] == 2
     with pytest.raises(ValueError, match=r"program steps=\[\]: the program would never run"):  # it ran with no call
         llama.generate(PROMPT, program=lambda m: None, steps=[], max_tokens=3)
+    with pytest.raises(ValueError, match=r"steps=\[0\] selects the steps a program runs at, and this invoke has no "
+                                         r"program; an op takes steps of its own"):  # the ops ran at every step
+        llama.generate(PROMPT, ops=[ops.save("layers.1.resid")], steps=[0], max_tokens=3)
     with pytest.raises(ValueError, match=r"op save at layers.1.resid: steps=\[\] never runs"):  # failed after the run
         llama.generate(PROMPT, ops=[ops.save("layers.1.resid", steps=[])], max_tokens=3)
     for steps in ([1.5], ["1"]):  # int() made 1.5 an op's step 1, and a program's 1.5 never ran

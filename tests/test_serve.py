@@ -541,7 +541,8 @@ def _hostile_payloads() -> list[tuple[str, bytes | str, str]]:
                                {"prompt": "x", "ops": [{"op": "save", "point": "layers.1.resid", "steps": [-1]}]},
                                {"prompt": "x", "ops": [{"op": "zero", "point": "layers.1.resid", "name": "n"}]},
                                {"prompt": "x", "unknown": 1}, {"prompt": "x", "steps": "all"},
-                               {"prompt": "x", "batched": "yes"}]}
+                               {"prompt": "x", "batched": "yes"},
+                               {"prompt": "x", "steps": [0]}, {"prompt": "x", "batched": True}]}  # no program
     for inv in wrong_types["invokes"]:
         cases.append((OPS, json.dumps({"invokes": [inv]}), f"invoke {inv}"))
     for field, values in {"max_tokens": [0, -1, "4", 1.5, None, [], 2**70, 1e400], "temperature": [-1, "hot", 1e9],

@@ -604,4 +604,10 @@ def test_a_program_that_would_do_nothing_or_cannot_take_m_is_refused_before_anyt
         fields = dict(input={"paths": ["prompts.jsonl"]}, output=f"out-{name}", intervention={"program": f"odd_programs:{name}"})
         with pytest.raises(ValueError, match=f"intervention.program 'odd_programs:{name}': program {why}"):
             run_sweep(SweepConfig.load(write_config(tmp_path, name, **fields)))
+    # Program settings with no program: the ops ran at every step, steps and all ignored.
+    for setting, why in [({"steps": [0]}, r"steps=\[0\] selects the steps a program runs at"), ({"batched": True}, "batched marks")]:
+        intervention = {"ops": [{"op": "save", "point": "layers.1.resid"}], **setting}
+        fields = dict(input={"paths": ["prompts.jsonl"]}, output="out-ops", intervention=intervention)
+        with pytest.raises(ValueError, match=f"{why}.*this invoke has no program"):
+            SweepConfig.load(write_config(tmp_path, "ops", **fields))
     assert ray.is_initialized() == ray_was_up  # refused before the sweep joins or starts a Ray cluster

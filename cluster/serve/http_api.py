@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from interlace.cluster.config import InlineTensor, OpSpec, Positions
-from interlace.core.trace import InvokeResult, TraceResult
+from interlace.core.trace import InvokeResult, TraceResult, check_programless
 from interlace.core.wire import portable
 
 ROLES = ("ops", "code")
@@ -73,6 +73,12 @@ class InvokeRequest(BaseModel):
     program: str | None = Field(None, description="A program, base64 of its cloudpickle (needs a code token).")
     batched: bool = Field(False, description="The program is @interlace.batched.")
     steps: Positions | None = Field(None, description="Program steps to run; None: every step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "InvokeRequest":
+        if self.program is None:
+            check_programless(self.steps, self.batched)
+        return self
 
 
 class TraceRequest(BaseModel):

@@ -50,6 +50,21 @@ def batched(program: Callable) -> Callable:
     return program
 
 
+def check_programless(steps: Any, batched: bool = False) -> None:
+    """Refuse program settings given to an invoke without a program (they would be silently
+    ignored: ops run at every step whatever the invoke's ``steps`` say).
+
+        >>> check_programless(steps=[0])
+        Traceback (most recent call last):
+        ValueError: steps=[0] selects the steps a program runs at, and this invoke has no program; an op takes steps of its own (interlace.ops.save(point, steps=[0]))
+    """
+    if steps is not None:
+        raise ValueError(f"steps={list(steps)} selects the steps a program runs at, and this invoke has no program; "
+                         f"an op takes steps of its own (interlace.ops.save(point, steps={list(steps)}))")
+    if batched:
+        raise ValueError("batched marks a program as @interlace.batched, and this invoke has no program")
+
+
 def check_program(program: Any) -> None:
     """Refuse, on the driver, a program the engine would run without ever doing its work: a
     generator or ``async`` function (calling it only builds the generator or coroutine, so the
