@@ -62,6 +62,8 @@ def test_guide_examples_run(llama):
     # programs the guide defines without running them (its TP and PP section), here at TP=1
     heads = llama.generate("Hello", program=namespace["heads"])
     assert heads.saves["v"].shape[-1] == 64 and heads.saves["unembed_row"].shape == (128,)
+    steered = llama.generate("Hello", program=namespace["probe_gradient"], max_tokens=2)  # Limits today
+    assert len(steered.token_ids) == 2
     carried = llama.generate("Hello", program=namespace["carry_forward"], max_tokens=2)
     assert len(carried.token_ids) == 2
     with llama.trace(max_tokens=3, ignore_eos=True) as tr:  # each invoke's own "first" (Programs)

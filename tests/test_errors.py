@@ -361,8 +361,20 @@ def test_wrong_module_names(llama, oracles):
 def test_nnsights_save_gradients_and_breakpoints_fail_saying_what_to_do_instead(llama):
     with pytest.raises(interlace.InterventionError, match=r"no attribute 'save'; .* m.save\(name, value\)"):
         llama.generate(PROMPT, program=lambda m: m.layers[1].resid.save())
-    with pytest.raises(interlace.InterventionError, match=r"does not require grad.*; the model runs without gradients"):
+    with pytest.raises(interlace.InterventionError, match=r"does not require grad.*; the model runs without gradients"
+                                                          r".*inside `with torch.inference_mode\(False\), torch.enable_grad"):
         llama.generate(PROMPT, program=lambda m: m.logits.sum().backward())
+    probe = torch.randn(128)
+
+    def probe_gradient(m):  # docs/guide.md's way to gradients of a program's own code, after a read and across one
+        h = m.layers[1].resid
+        with torch.inference_mode(False), torch.enable_grad():
+            x = h.clone().requires_grad_()
+            later = m.layers[2].resid
+            (grad,) = torch.autograd.grad((x @ probe.clone()).sum() + later.sum(), x)
+        m.save("grad", grad)
+    grads = llama.generate(PROMPT, program=probe_gradient, max_tokens=2).saves["grad"]
+    torch.testing.assert_close(grads, probe.expand_as(grads))
 
     def debugged(m):
         h = m.layers[1].resid

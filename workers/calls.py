@@ -96,7 +96,9 @@ _HINTS = (
     (AttributeError, "object has no attribute 'save'",
      "values in a program are plain tensors: save one with m.save(name, value) (NNsight's value.save())"),
     (RuntimeError, "does not require grad",
-     "the model runs without gradients (vLLM's inference kernels have no backward; docs/guide.md, Limits today)"),
+     "the model runs without gradients (vLLM's inference kernels have no backward; docs/guide.md, Limits today); "
+     "for gradients of your own code on a value the program read (a probe's), compute them inside "
+     "`with torch.inference_mode(False), torch.enable_grad():` on a .clone() of the value"),
 )
 
 
