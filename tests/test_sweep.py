@@ -237,6 +237,29 @@ def test_a_rerun_skips_every_finished_shard(ops_sweep):
     assert again["status"] == "complete" and again["summary"]["prompts_this_run"] == 0
 
 
+def test_a_rerun_after_its_vector_file_or_prompts_changed_is_refused_and_resumes_once_restored(ops_sweep):
+    """The config's identity did not see a tensor file's or the prompt file's contents: the rerun
+    resumed, and the folder held shards of two different sweeps."""
+    cfg, manifest, out = ops_sweep
+    folder = Path(cfg.output).parent
+    vec, prompts = folder / "vec.safetensors", folder / "prompts.jsonl"
+    originals = {path: path.read_bytes() for path in (vec, prompts)}
+    before = shard_mtimes(out)
+    try:
+        save_file({"steer": STEER * 2}, vec)
+        with pytest.raises(ValueError, match=r"holds 9 finished shards made from other op values"):
+            run_sweep(cfg)
+        vec.write_bytes(originals[vec])
+        prompts.write_text(prompts.read_text().replace("Sample 3 of", "Sample three of"))
+        with pytest.raises(ValueError, match=r"holds 9 finished shards made from other prompts"):
+            run_sweep(cfg)
+    finally:
+        for path, data in originals.items():
+            path.write_bytes(data)
+    assert run_sweep(cfg)["status"] == "complete"  # as it was: resumes, with nothing left to run
+    assert shard_mtimes(out) == before
+
+
 def test_a_shared_value_the_sweeps_file_cannot_store_is_reported_and_the_others_kept():
     """A complex128 partial would have stopped the whole sweep at the shard's file (as the saves
     in the program sweep above would); it is a shared error of the shard, the others written."""
@@ -352,6 +375,14 @@ def test_a_program_sweep_reports_failures_per_prompt_stops_at_max_failures_and_r
     assert manifest["summary"]["failures"] == 200 - len(good) + 4
     for name, want in tr.result.shared.items():
         torch.testing.assert_close(sweep.shared[name], torch.as_tensor(want), atol=1e-3, rtol=1e-4)
+
+    # The program edited after its shards ran: resuming into them is refused (they were made by the old one).
+    module = tmp_path / "sweep_programs.py"
+    module.write_text(PROGRAMS + "\nFIXED = True\n")
+    with pytest.raises(ValueError, match=r"finished shards made from another version of the program \(.*sweep_programs.py changed"):
+        run_sweep(cfg)
+    module.write_text(PROGRAMS)
+    assert run_sweep(cfg)["status"] == "complete"
 
 
 def kill_the_first_engine_as_it_starts(killed: list[int]) -> None:

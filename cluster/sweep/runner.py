@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import inspect
 import itertools
 import json
 import os
@@ -88,7 +89,10 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
     out.make()
     identity = _identity_hash(cfg)
     manifest = _start_manifest(out, cfg, identity)
-    plan = _plan(cfg, identity, base_dir or cfg.base_dir)  # programs imported and tensor files read before any engine starts
+    # programs imported and tensor files read before any engine starts
+    program = _import_program(cfg.intervention, base_dir or cfg.base_dir)
+    ops = [op.build() for op in cfg.intervention.ops]
+    plan = _plan(cfg, identity, program, ops)
     echo = echo or _echo
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -101,6 +105,9 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
             rows = read_prompts(cfg.input)
         shards = -(-len(rows) // cfg.shard_size)
         done = committed_shards(out, shards)
+        sources = _sources(program, ops, rows)
+        _check_sources(out, manifest.get("sources"), sources, len(done))
+        manifest["sources"] = sources
         manifest.update(counts={"prompts": len(rows), "shards": shards, "shard_size": cfg.shard_size},
                         shards={str(k): rec for k, rec in sorted(done.items())}, status="running")
         _write_manifest(out, manifest)
@@ -223,17 +230,83 @@ def _checked(value: Any, column: str, columns: list[str]) -> tuple[Any, str | No
 # --- plan ---------------------------------------------------------------------------------------
 
 
-def _plan(cfg: SweepConfig, identity: str, base_dir: str | Path | None) -> bytes:
-    program = _import_program(cfg.intervention, base_dir)
+def _plan(cfg: SweepConfig, identity: str, program: Callable | None, ops: list[dict]) -> bytes:
     plan = RunPlan(
         sweep_id=identity[:10], output=cfg.output if is_url(cfg.output) else str(Path(cfg.output).resolve()),
         model=cfg.cluster.model.model_dump(),
-        program=program, steps=cfg.intervention.steps, ops=[op.build() for op in cfg.intervention.ops],
+        program=program, steps=cfg.intervention.steps, ops=ops,
         settings=cfg.generation.settings(),
         timeout_s=cfg.generation.timeout_s or max(settings.trace_timeout_s(), 600.0),
         max_save_bytes=cfg.generation.max_save_bytes)
     with programs_by_value([program]):  # the actors cannot import the user's module
         return dumps(plan)
+
+
+def _sources(program: Callable | None, ops: list[dict], rows: list[PromptRow]) -> dict[str, Any]:
+    """Digests of what a sweep's results come from beyond its config: the program's module file,
+    the ops' values (tensor files' contents included) and the prompts as read. The config's
+    identity cannot see an edited program, vector file or prompt file, and a rerun that resumed
+    after one joined results of the old and the new in one folder, silently."""
+    module_file = None
+    if program is not None:
+        with contextlib.suppress(TypeError, OSError):  # a builtin or a module without a source file
+            module_file = inspect.getsourcefile(inspect.unwrap(program))
+    digest = None
+    if module_file is not None:
+        digest = hashlib.sha256(Path(module_file).read_bytes()).hexdigest()[:16]
+    prompts = hashlib.sha256()
+    for row in rows:
+        prompts.update(json.dumps([row.prompt_id, row.source_row, row.prompt, row.problem]).encode())
+    return {"program": None if program is None else {"file": module_file, "sha256": digest},
+            # (an op's "key" is a digest of its pickle, which differs between builds of equal ops)
+            "ops": _digest([{k: v for k, v in op.items() if k != "key"} for op in ops]),
+            "prompts": prompts.hexdigest()[:16]}
+
+
+def _digest(value: Any) -> str:
+    """A digest of data and tensors, the same in every process (tensors by dtype, shape and bytes;
+    pickles of tensors are not: torch writes a new serialization id into each)."""
+    import torch
+
+    found = hashlib.sha256()
+
+    def walk(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            t = item.detach().cpu().contiguous()
+            found.update(f"tensor {t.dtype} {tuple(t.shape)}".encode())
+            found.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(item, dict):
+            for key in sorted(item, key=str):
+                found.update(f"key {key!r}".encode())
+                walk(item[key])
+        elif isinstance(item, (list, tuple)):
+            found.update(f"seq {len(item)}".encode())
+            for part in item:
+                walk(part)
+        else:
+            found.update(repr(item).encode())
+
+    walk(value)
+    return found.hexdigest()[:16]
+
+
+def _check_sources(out: SweepStore, before: dict | None, now: dict[str, Any], finished: int) -> None:
+    """Refuse to resume into finished shards made from another program, other op values or other
+    prompts (a manifest written before sources were recorded has none: nothing to compare)."""
+    if not finished or not before:
+        return
+    changed = []
+    if (before.get("program") or {}).get("sha256") != (now["program"] or {}).get("sha256"):  # (wherever it lies now)
+        where = (now["program"] or before.get("program") or {}).get("file")
+        changed.append(f"another version of the program ({where} changed since they ran)" if where else "another program")
+    if before.get("ops") != now["ops"]:
+        changed.append("other op values (a tensor file changed)")
+    if before.get("prompts") != now["prompts"]:
+        changed.append("other prompts (the input files changed)")
+    if changed:
+        raise ValueError(f"{out.output} holds {finished} finished shards made from {' and '.join(changed)}; resuming "
+                         "would mix their results with this run's. Choose another output folder, or remove that one "
+                         "to start over")
 
 
 def _import_program(intervention: SweepIntervention, base_dir: str | Path | None) -> Callable | None:
@@ -468,7 +541,8 @@ def _start_manifest(out: SweepStore, cfg: SweepConfig, identity: str) -> dict:
     config = cfg.model_dump(mode="json")
     config["output"] = _without_secret(config["output"])
     return {"format": FORMAT, "identity": identity, "status": "starting", "config": config,
-            "versions": _versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": {}}
+            "versions": _versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": {},
+            "sources": json.loads(before).get("sources") if before is not None else None}  # checked once prompts are read
 
 
 def _without_secret(output: str) -> str:
