@@ -48,6 +48,27 @@ class RequestRefused(RuntimeError):
         self.status, self.type = status, type_
 
 
+class EndpointUnreachable(ConnectionError):
+    """No connection to the endpoint at all (refused, unknown host, timed out connecting): the
+    server is not running there, or not reachable from here. Nothing was sent."""
+
+
+def _reaching(url: str, limits):
+    """httpx's transport, whose connection failures name the endpoint: httpx's own said only
+    "[Errno 111] Connection refused", with no URL, from deep in httpcore."""
+    import httpx
+
+    class Reaching(httpx.HTTPTransport):
+        def handle_request(self, request):
+            try:
+                return super().handle_request(request)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                raise EndpointUnreachable(f"cannot reach the interlace endpoint at {url} ({exc}); is it running "
+                                          "(`interlace serve`), and is the URL's host and port right?") from exc
+
+    return Reaching(limits=limits)
+
+
 class Remote:
     """See the module docstring. ``token``: an API token (default: ``INTERLACE_API_TOKEN``)."""
 
@@ -61,7 +82,8 @@ class Remote:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=max_parallel, max_keepalive_connections=max_parallel)
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, limits=limits)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
+                                  transport=_reaching(self.url, limits))
         self._pool = concurrent.futures.ThreadPoolExecutor(max_parallel, thread_name_prefix="interlace-remote")
         self._tree = None
         self._tree_lock = threading.Lock()  # many threads' first traces ask the endpoint once

@@ -106,6 +106,18 @@ def assert_same(got, want, atol=1e-4):
             assert torch.allclose(g.saves[name].float(), w.saves[name].float(), atol=atol), name
 
 
+def test_an_endpoint_that_is_not_there_is_named_in_the_error():
+    """httpx said only "[Errno 111] Connection refused", from deep in httpcore."""
+    from interlace.remote import EndpointUnreachable
+
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    with interlace.connect(url, token=CODE) as remote:
+        with pytest.raises(EndpointUnreachable, match=rf"cannot reach the interlace endpoint at {url} \(.*refused"):
+            remote.generate("Hello")
+        with pytest.raises(ConnectionError):  # what to catch without importing interlace's class
+            remote.tree
+
+
 def test_tokens_from_the_environment_reach_the_ingress_as_digests_only(monkeypatch):
     """A runtime environment is readable by whoever can read the Ray cluster's state: the tokens
     document put there holds each token's SHA-256, and the ingress accepts the tokens with it."""
