@@ -89,6 +89,40 @@ def test_conflicting_orders_split_one_op_and_keep_the_batching():
     assert [plan.op["key"] for plan in order.plans()] == ["x", "y"]
 
 
+def test_equal_ops_built_apart_are_one_key_one_plan_and_one_pickle(llama):
+    """The endpoint builds each invoke's ops from its JSON, and scripts often build them per invoke:
+    equal ops built apart got other keys (a digest of their pickle, in which torch names a tensor's
+    storage by its memory address), so they were applied invoke by invoke and pickled once each."""
+    from interlace.core.trace import Invoke, encode_payloads
+    from interlace.workers.ops import OpOrder
+    from interlace.workers.points import Point
+
+    steer = torch.linspace(-0.5, 0.5, 128)
+    built = [[ops.add(POINT, steer.clone()), ops.save("layers.2.resid", tokens="last")] for _ in range(8)]
+    assert len({tuple(op["key"] for op in op_list) for op_list in built}) == 1
+    assert ops.add(POINT, steer * 2)["key"] != built[0][0]["key"]  # content, not the op's kind and point alone
+    assert ops.add(POINT, steer.double())["key"] != built[0][0]["key"]
+    payloads = encode_payloads([Invoke(PROMPT, None, op_list, None) for op_list in built], "t", "", 60.0, 1 << 20)
+    assert len({id(payload.ops) for payload in payloads}) == 1  # one pickle for every invoke
+
+    class Invoke_:  # the fields OpOrder reads from the interleaver's InvokeState
+        def __init__(self, slot):
+            self.slot, self.trace = slot, "t"
+
+    order = OpOrder()
+    for slot, op_list in enumerate(built):
+        order.add(Invoke_(slot), [{**op, "_point": Point("model.layers.1", "resid")} for op in op_list], prepare=dict)
+    assert [len(plan.members) for plan in order.plans()] == [8, 8]  # one batched application per op
+
+    with llama.trace(max_tokens=2) as apart, llama.trace(max_tokens=2) as shared:
+        for op_list in built:
+            apart.invoke(PROMPT, ops=op_list)
+            shared.invoke(PROMPT, ops=built[0])
+    for got, want in zip(apart.result, shared.result):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(got.saves["layers.2.resid"], want.saves["layers.2.resid"], atol=ATOL, rtol=ATOL)
+
+
 def test_ops_on_linear_layers_act_on_their_output_tensor(any_model, oracle):
     """vLLM's linear layers return (out, bias): ops on their output act on ``out``, laid out as
     the unsplit model's merged projections (Qwen2's with their biases)."""

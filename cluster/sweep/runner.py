@@ -258,36 +258,8 @@ def _sources(program: Callable | None, ops: list[dict], rows: list[PromptRow]) -
     for row in rows:
         prompts.update(json.dumps([row.prompt_id, row.source_row, row.prompt, row.problem]).encode())
     return {"program": None if program is None else {"file": module_file, "sha256": digest},
-            # (an op's "key" is a digest of its pickle, which differs between builds of equal ops)
-            "ops": _digest([{k: v for k, v in op.items() if k != "key"} for op in ops]),
+            "ops": "+".join(op["key"] for op in ops),  # a digest of each op's content (core.ops)
             "prompts": prompts.hexdigest()[:16]}
-
-
-def _digest(value: Any) -> str:
-    """A digest of data and tensors, the same in every process (tensors by dtype, shape and bytes;
-    pickles of tensors are not: torch writes a new serialization id into each)."""
-    import torch
-
-    found = hashlib.sha256()
-
-    def walk(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            t = item.detach().cpu().contiguous()
-            found.update(f"tensor {t.dtype} {tuple(t.shape)}".encode())
-            found.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(item, dict):
-            for key in sorted(item, key=str):
-                found.update(f"key {key!r}".encode())
-                walk(item[key])
-        elif isinstance(item, (list, tuple)):
-            found.update(f"seq {len(item)}".encode())
-            for part in item:
-                walk(part)
-        else:
-            found.update(repr(item).encode())
-
-    walk(value)
-    return found.hexdigest()[:16]
 
 
 def _check_sources(out: SweepStore, before: dict | None, now: dict[str, Any], finished: int) -> None:

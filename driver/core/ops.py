@@ -71,9 +71,43 @@ def _op(kind: str, point: str, tokens: Tokens, steps, **fields) -> dict:
     else:
         tokens = _integers(tokens, "tokens must be 'all', 'last' or a list of integer positions")
     op = {"op": kind, "point": point, "tokens": tokens, "steps": step_list(steps), **fields}
-    # Invokes carrying equal ops are applied as one batched tensor operation on the worker.
-    op["key"] = hashlib.sha256(cloudpickle.dumps(op)).hexdigest()[:16]
+    # Invokes carrying equal ops are applied as one batched tensor operation on the worker, share
+    # one vector row in graph taps, and travel as one pickle: equal ops must get equal keys, also
+    # when built apart (the endpoint builds each invoke's ops from its JSON).
+    op["key"] = content_digest(op)
     return op
+
+
+def content_digest(value) -> str:
+    """A digest of data holding tensors, equal for equal content wherever it was built: tensors
+    by dtype, shape and bytes, dicts by sorted keys. A digest of the pickle was not: torch names a
+    tensor's storage in it by its memory address, so equal vectors built apart got other keys.
+
+        >>> content_digest({"v": torch.ones(3)}) == content_digest({"v": torch.ones(3)})
+        True
+    """
+    found = hashlib.sha256()
+
+    def walk(item) -> None:
+        if isinstance(item, torch.Tensor):
+            found.update(f"tensor {item.dtype} {tuple(item.shape)}".encode())
+            if item.layout == torch.strided and not item.is_quantized:
+                found.update(item.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:  # (refused further on; a pickle keeps the key apart from others meanwhile)
+                found.update(cloudpickle.dumps(item))
+        elif isinstance(item, dict):
+            for key in sorted(item, key=str):
+                found.update(f"key {key!r}".encode())
+                walk(item[key])
+        elif isinstance(item, (list, tuple)):
+            found.update(f"{type(item).__name__} {len(item)}".encode())
+            for part in item:
+                walk(part)
+        else:
+            found.update(f"{type(item).__name__} {item!r}".encode())
+
+    walk(value)
+    return found.hexdigest()[:16]
 
 
 def step_list(steps: Iterable[int] | None) -> list[int] | None:
