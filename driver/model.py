@@ -124,9 +124,9 @@ class Model:
 
     def close(self) -> None:
         """Shut the engine down and remove the report folder."""
-        if self._engine is not None:
-            shutdown_engine(self._engine)
-            self._engine = None
+        engine, self._engine = self._engine, None  # first: a trace running meanwhile sees it gone (_run)
+        if engine is not None:
+            shutdown_engine(engine)
         close_sink(f"dir:{self._sink_root}")  # an engine in this process kept its data files open here
         close_recorder(f"dir:{self._sink_root}")  # and its flight record (workers/flight.py)
         shutil.rmtree(self._sink_root, ignore_errors=True)
@@ -164,11 +164,18 @@ class Model:
                                    trace.max_save_bytes)
         prompts, params = build_requests([inv.prompt for inv in trace.invokes], payloads, trace.settings, trace_id)
         with self._lock:
+            engine = self.engine
             outputs = self._generate(trace_id, prompts, params)
-            if type(self.engine.llm_engine.engine_core).__name__ == "InprocClient":
+            if self._engine is not engine:
+                # close() from another thread shut the engine down under generate(), which then
+                # returned every request cut short, as if finished: the trace looked complete
+                raise RuntimeError(f"trace {trace_id}: the model was closed (Model.close()) while this trace ran, "
+                                   "so its generation was cut short and its results are lost; run it again (the "
+                                   "model starts a new engine)")
+            if type(engine.llm_engine.engine_core).__name__ == "InprocClient":
                 # VLLM_ENABLE_V1_MULTIPROCESSING=0: nothing steps the engine once generate() is
                 # done, and workers learn which requests finished (and report them) in a step
-                self.engine.llm_engine.step()
+                engine.llm_engine.step()
         reports = self._collect(trace_id, [i for i, p in enumerate(payloads) if p is not None])
         typed = {i: [Report.from_worker(r) for r in rs] for i, rs in reports.items()}
         return assemble(trace.invokes, [Completion.from_vllm(out) for out in outputs], typed)

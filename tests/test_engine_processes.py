@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import psutil
 
@@ -35,3 +37,40 @@ def test_a_second_engine_core_forks_from_the_server_with_the_callers_environment
     finally:
         second.close()
     assert llama.generate("Hi", program=_set_at_start).saves["env"] is None  # started before it was set
+
+
+def test_a_model_closed_while_a_trace_runs_fails_that_trace_rather_than_cut_it_short(tmp_path, llama):
+    """vLLM's generate() returned every request aborted, as if finished: the trace came back with
+    a fraction of its tokens and saves, and no error."""
+    model = interlace.Model("tiny-llama")
+    marker = tmp_path / "running"
+
+    def long_running(m):  # tells the test it is generating, then keeps saving
+        if m.step == 3:
+            marker.touch()
+        m.save("h", m.last(m.layers[1].resid))
+
+    failed = []
+
+    def trace():
+        try:
+            model.generate("Once upon a time", program=long_running, max_tokens=400, ignore_eos=True)
+        except RuntimeError as exc:
+            failed.append(str(exc))
+
+    runner = threading.Thread(target=trace)
+    try:
+        model.engine  # started before the trace: its generation, not the engine's start, is cut
+        runner.start()
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marker.exists()
+        model.close()
+        runner.join(60)
+        assert not runner.is_alive()
+        assert len(failed) == 1 and "the model was closed (Model.close()) while this trace ran" in failed[0], failed
+        # the model serves on, with a new engine
+        assert model.generate("Hello", max_tokens=3).token_ids == llama.generate("Hello", max_tokens=3).token_ids
+    finally:
+        model.close()
