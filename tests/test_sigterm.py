@@ -94,9 +94,15 @@ class Driver:
 def report_folders(family: dict[psutil.Process, str]) -> list[str]:
     """The replicas' node-local report folders (``interlace-<name>-<actor pid>``, in /dev/shm or the
     temporary folder: interlace.cluster.replica) of the processes in ``family``."""
-    pids = {str(p.pid) for p in family}
+    started = {}
+    for proc in family:
+        with contextlib.suppress(psutil.Error):
+            started[str(proc.pid)] = proc.create_time()
     roots = {"/dev/shm", tempfile.gettempdir()}
-    return sorted(f for root in roots for f in glob.glob(f"{root}/interlace-*") if f.rsplit("-", 1)[-1] in pids)
+    # A folder older than the process now holding its pid is another's, left by an earlier one that
+    # was killed (the pid was used again): a dev machine's /dev/shm collects such leftovers.
+    return sorted(f for root in roots for f in glob.glob(f"{root}/interlace-*")
+                  if f.rsplit("-", 1)[-1] in started and os.stat(f).st_mtime >= started[f.rsplit("-", 1)[-1]] - 1.0)
 
 
 def assert_left_nothing(family: dict[psutil.Process, str], folders: list[str], wait_s: float = 30) -> None:
