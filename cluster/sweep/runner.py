@@ -504,8 +504,8 @@ def _identity_hash(cfg: SweepConfig) -> str:
 
 def _start_manifest(out: SweepStore, cfg: SweepConfig, identity: str) -> dict:
     before = out.read_bytes(MANIFEST)
+    old = json.loads(before) if before is not None else {}
     if before is not None:
-        old = json.loads(before)
         if old.get("identity") != identity:
             raise ValueError(f"{out.output} holds another sweep (its manifest's input, intervention, generation, shard "
                              "size or model differ from this config's); choose another output folder, or remove "
@@ -514,7 +514,7 @@ def _start_manifest(out: SweepStore, cfg: SweepConfig, identity: str) -> dict:
     config["output"] = _without_secret(config["output"])
     return {"format": FORMAT, "identity": identity, "status": "starting", "config": config,
             "versions": _versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": {},
-            "sources": json.loads(before).get("sources") if before is not None else None}  # checked once prompts are read
+            "sources": old.get("sources")}  # checked once the prompts are read
 
 
 def _without_secret(output: str) -> str:
