@@ -48,6 +48,7 @@ import json
 import os
 import random
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -211,25 +212,31 @@ def time_phases(model, plain) -> None:
         _wrap(engine, "add_request", "add", phases, span=True)
         _wrap(engine.engine_core, "get_output", "wait", phases)
         _wrap(engine.output_processor, "process_outputs", "process", phases)
-        llm.collective_rpc(_time_runner)
+        [cores, *_] = llm.collective_rpc(_time_runner)
+        print(f"{'interlace' if llm is model.engine else 'plain'}: the model runner's process may run on cores {cores}")
         STEP_TIMERS.append((llm, phases))
 
 
 STEP_TIMERS: list = []  # --phases: (engine, its phases), whose runner steps are timed in the worker
 
 
-def _time_runner(worker) -> None:
+def _time_runner(worker) -> list[int]:
     """In the worker (sent by collective_rpc): time the model runner's calls. ``runner``: the time
     inside execute_model and sample_tokens (interlace's work included); ``between``: the engine
     core's time between them (its scheduler, outputs and anything else on its thread, and its
-    waits)."""
+    waits). ``runner_cpu``: the thread's CPU time inside them; where it falls short of ``runner`` the
+    thread waited (for the GPU, the GIL, or a core). ``threads``: each thread's CPU seconds in the
+    process since the last take, by name, and ``yields``: the runner thread's involuntary context
+    switches (the kernel took its core)."""
     runner = worker.model_runner
-    state = runner.__dict__.setdefault("_bench_steps", {"runner": 0.0, "between": 0.0, "calls": 0, "last": None})
+    state = runner.__dict__.setdefault("_bench_steps", {"runner": 0.0, "runner_cpu": 0.0, "between": 0.0,
+                                                        "calls": 0, "last": None})
+    state["_threads"] = _thread_cpu()
     for name in ("execute_model", "sample_tokens"):
         method = getattr(runner, name)
 
         def timed(*args, _method=method, **kwargs):
-            begun = time.perf_counter()
+            begun, begun_cpu = time.perf_counter(), time.thread_time()
             if state["last"] is not None:
                 state["between"] += begun - state["last"]
             try:
@@ -237,14 +244,42 @@ def _time_runner(worker) -> None:
             finally:
                 state["last"] = time.perf_counter()
                 state["runner"] += state["last"] - begun
+                state["runner_cpu"] += time.thread_time() - begun_cpu
                 state["calls"] += 1
+                state["_tid"] = threading.get_native_id()
         setattr(runner, name, timed)
+    return sorted(os.sched_getaffinity(0))
+
+
+def _thread_cpu() -> dict[int, tuple[str, float, int]]:
+    """This process's threads: native id -> (name, CPU seconds, involuntary context switches)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    threads = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            stat = open(f"/proc/self/task/{task}/stat").read()
+            status = open(f"/proc/self/task/{task}/status").read()
+        except OSError:  # ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        switches = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        threads[int(task)] = (name, (int(fields[11]) + int(fields[12])) / ticks, switches)
+    return threads
 
 
 def _take_runner_times(worker) -> dict:
     state = worker.model_runner._bench_steps
-    taken = {k: state[k] for k in ("runner", "between", "calls")}
-    state.update(runner=0.0, between=0.0, calls=0, last=None)
+    taken = {k: state[k] for k in ("runner", "runner_cpu", "between", "calls")}
+    now, before = _thread_cpu(), state["_threads"]
+    busy: dict[str, float] = {}
+    for tid, (name, cpu, _) in now.items():
+        spent = cpu - before.get(tid, (name, 0.0, 0))[1]
+        if spent >= 0.01:
+            busy[name] = round(busy.get(name, 0.0) + spent, 2)
+    taken["threads"] = busy
+    if "_tid" in state and state["_tid"] in now:
+        taken["yields"] = now[state["_tid"]][2] - before.get(state["_tid"], ("", 0.0, 0))[2]
+    state.update(runner=0.0, runner_cpu=0.0, between=0.0, calls=0, last=None, _threads=now)
     return taken
 
 
@@ -287,7 +322,7 @@ def _wrap(owner, name: str, label: str, phases: dict, span: bool = False) -> Non
 
 
 def _shown(phases: dict) -> dict:
-    return {k: round(v, 3) for k, v in phases.items() if not k.startswith("_")}
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in phases.items() if not k.startswith("_")}
 
 
 @contextlib.contextmanager
