@@ -34,6 +34,7 @@ def build_requests(prompts: Sequence[str | list[int]], payloads: Sequence[Invoke
     # Only the final output is read: an async engine (a replica) otherwise builds and yields every
     # request's output at every step (vllm.LLM sets this itself).
     settings, user_extra = _sampling_settings({"output_kind": RequestOutputKind.FINAL_ONLY, **settings})
+    _check_as_the_engine_reads(SamplingParams(**settings, extra_args=dict(user_extra) or None))
     gang_size = sum(p is not None for p in payloads)  # enter vLLM's scheduler together (workers/scheduler.py)
     requests, params = [], []
     parked: dict[int, dict] = {}  # id of a payload's program or ops bytes -> what its requests carry instead
@@ -75,6 +76,25 @@ def _sampling_settings(settings: dict) -> tuple[dict, dict]:
 
         settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
     return settings, user_extra
+
+
+def _check_as_the_engine_reads(params: Any) -> None:
+    """Encode and decode ``params`` as vLLM's engine core does (typed msgpack), and refuse them
+    here if that fails. vLLM builds SamplingParams without checking most fields' types: seed="abc",
+    seed=1.5, ignore_eos="yes" or logit_bias={"a": 1.0} passed, then failed to decode in the engine
+    core's input thread, which died with the error: that request never answered, nor did any later
+    one on that engine (a script hung at its next trace; a replica stopped serving)."""
+    import msgspec
+    from vllm import SamplingParams
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    try:
+        MsgpackDecoder(SamplingParams).decode(MsgpackEncoder().encode(params))
+    except msgspec.ValidationError as exc:  # "Expected `int | null`, got `str` - at `$.seed`"
+        field = str(exc).rpartition("$.")[2].rstrip("`") or "a field"
+        raise TypeError(f"sampling setting {field}: {exc}; pass the type vllm.SamplingParams declares") from None
+    except TypeError as exc:  # a value msgpack cannot carry (an object in extra_args)
+        raise TypeError(f"sampling settings cannot be sent to the engine: {exc}") from None
 
 
 def _parked(payload: InvokePayload, sink: str, wire_trace: str, parked: dict[int, dict]) -> dict:

@@ -444,6 +444,44 @@ def test_malformed_requests_are_refused_on_the_driver(llama):
         llama.generate(PROMPT, ops=[{"op": "zero", "point": "layers.1.resid"}])
 
 
+def test_sampling_settings_the_engine_core_cannot_decode_are_refused_and_the_engine_serves_on(llama):
+    """vLLM builds SamplingParams without checking most fields' types; seed="abc" and the like
+    then failed to decode in the engine core's input thread, which died: that trace, and every
+    later one on the engine, waited forever. Each is refused before anything is sent, naming the
+    field. (Each call runs in a thread with a limit, so that a hang fails here.)"""
+    import threading
+
+    def within(seconds, fn):
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(_outcome(fn)), daemon=True)
+        thread.start()
+        thread.join(seconds)
+        assert outcome, f"no answer in {seconds} s: the engine hangs"
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def keep(m):
+        m.save("r", m.layers[1].resid)
+
+    for settings, why in (({"seed": "abc"}, r"sampling setting seed: Expected `int \| null`, got `str`"),
+                          ({"seed": 1.5}, "sampling setting seed"),
+                          ({"ignore_eos": "yes"}, "sampling setting ignore_eos"),
+                          ({"logit_bias": {"a": 1.0}}, "sampling setting logit_bias"),
+                          ({"extra_args": {"mine": object()}}, "cannot be sent to the engine")):
+        for program in (keep, None):
+            with pytest.raises(TypeError, match=why):
+                within(60, lambda: llama.generate(PROMPT, program=program, max_tokens=2, **settings))
+    assert within(60, lambda: llama.generate(PROMPT, program=keep, max_tokens=2, seed=3)).saves["r"].shape[0] > 0
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - raised again on the test's thread
+        return exc
+
+
 def test_a_trace_has_no_result_before_it_runs_and_takes_no_invoke_after(llama):
     """Reading ``tr.result`` inside the with block gave None (a TypeError later, far from the
     cause), and an invoke added after the block silently never ran."""
