@@ -78,6 +78,15 @@ def _sampling_settings(settings: dict) -> tuple[dict, dict]:
     return settings, user_extra
 
 
+def check_sampling(settings: dict) -> None:
+    """Refuse sampling settings vLLM would not take, before a sweep starts its engines (each
+    trace's requests are checked again where they are built). Raises ImportError without vLLM."""
+    from vllm import SamplingParams
+
+    settings, user_extra = _sampling_settings(settings)
+    _check_as_the_engine_reads(SamplingParams(**settings, extra_args=dict(user_extra) or None))
+
+
 def _check_as_the_engine_reads(params: Any) -> None:
     """Encode and decode ``params`` as vLLM's engine core does (typed msgpack), and refuse them
     here if that fails. vLLM builds SamplingParams without checking most fields' types: seed="abc",

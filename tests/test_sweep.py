@@ -642,3 +642,29 @@ def test_a_program_that_would_do_nothing_or_cannot_take_m_is_refused_before_anyt
         with pytest.raises(ValueError, match=f"{why}.*this invoke has no program"):
             SweepConfig.load(write_config(tmp_path, "ops", **fields))
     assert ray.is_initialized() == ray_was_up  # refused before the sweep joins or starts a Ray cluster
+
+
+def test_generation_settings_vllm_cannot_take_are_refused_before_anything_starts(tmp_path):
+    """A sampling field of the wrong type (YAML reads ``seed: "1"`` and ``bad_words: [5]`` as
+    written) failed in every replica's engine core, where it first hung the engine (fixed in
+    cluster/assembly.py), then failed each shard under a Ray wrapper that named no cause."""
+    import ray
+
+    from interlace.cluster.sweep.runner import _first_line
+
+    ray_was_up = ray.is_initialized()
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    for sampling, why in [({"bad_words": [5]}, r"sampling setting bad_words\[0\]: Expected `str`, got `int`"),
+                          ({"logit_bias": {"x": 1.0}}, "sampling setting logit_bias")]:
+        fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", generation={"sampling": sampling})
+        with pytest.raises(ValueError, match=f"the sweep's generation settings: {why}"):
+            run_sweep(SweepConfig.load(write_config(tmp_path, "bad", **fields)))
+    assert ray.is_initialized() == ray_was_up
+    # A failure raised through Ray's wrappers: the status names the cause, not the actor
+    try:
+        try:
+            raise TypeError("sampling setting seed: Expected `int | null`")
+        except TypeError as cause:
+            raise RuntimeError("ray::MapWorker(MapBatches(ShardRunner)).submit() (pid=1)\nTraceback...") from cause
+    except RuntimeError as wrapped:
+        assert _first_line(wrapped) == "TypeError: sampling setting seed: Expected `int | null`"

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from interlace.cluster.assembly import check_sampling
 from interlace.cluster.config import SweepConfig, SweepInput, SweepIntervention
 from interlace.cluster.placement import (check_fits_a_node, check_fits_the_cluster, host_actor_options, is_spread,
                                          replica_bundle, replica_bundles)
@@ -93,6 +94,7 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
     program = _import_program(cfg.intervention, base_dir or cfg.base_dir)
     ops = [op.build() for op in cfg.intervention.ops]
     plan = _plan(cfg, identity, program, ops)
+    _check_generation(cfg)
     echo = echo or _echo
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -118,7 +120,7 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
                 _run_pending(cfg, plan, rows, pending, manifest, out, progress)
             except Exception as exc:
                 if not isinstance(exc, SweepStopped):  # its own status is written already
-                    manifest["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    manifest["status"] = f"failed: {_first_line(exc)}"
                     _write_manifest(out, manifest)
                 raise
             except BaseException:  # Ctrl-C, SIGTERM: the pool is stopped on the way out (_stream)
@@ -135,6 +137,29 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _check_generation(cfg: SweepConfig) -> None:
+    """Sampling settings vLLM would not take (``sampling: {seed: "1"}``) fail the sweep here,
+    before Ray and the engines start; in the replicas they failed every shard alike."""
+    try:
+        check_sampling(cfg.generation.settings())
+    except ImportError:  # no vLLM where the sweep is driven: each replica checks its requests
+        return
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the sweep's generation settings: {exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error a failed sweep's status names: the innermost cause, not the Ray task or Ray
+    Data wrapper around it (whose first line names only the actor that raised)."""
+    while True:
+        inner = getattr(exc, "cause", None) or exc.__cause__
+        if not isinstance(inner, BaseException) or inner is exc:
+            break
+        exc = inner
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
 
 
 # --- input --------------------------------------------------------------------------------------
