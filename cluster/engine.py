@@ -35,7 +35,7 @@ from interlace.core import settings
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine_processes import fork_engine_cores
 from interlace.cluster.placement import CPU_RANK
-from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, SPLITTING_OPS, TAPS_KEY
+from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, OWNER_ENV, SPLITTING_OPS, TAPS_KEY
 
 WORKER_EXTENSION = "interlace.workers.extension.InterlaceWorkerExtension"
 SCHEDULER = "interlace.workers.scheduler.make_scheduler"  # a trace's invokes share a step
@@ -204,6 +204,7 @@ def _setting_name(value: Any) -> Any:
 
 def prepare_environment(cfg: ModelConfig) -> None:
     """Set the process environment the engine's worker processes inherit."""
+    os.environ[OWNER_ENV] = str(os.getpid())  # its engine core ends with this process (plugin._end_with_the_owner)
     if settings.device() == "cpu":
         chosen = settings.cpu_cores()  # a cluster replica's own cores (set in its actor's runtime_env)
         ordered = chosen or sorted(os.sched_getaffinity(0))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -74,3 +75,40 @@ def test_a_model_closed_while_a_trace_runs_fails_that_trace_rather_than_cut_it_s
         assert model.generate("Hello", max_tokens=3).token_ids == llama.generate("Hello", max_tokens=3).token_ids
     finally:
         model.close()
+
+
+SCRIPT = """
+import os, sys, time
+import interlace
+model = interlace.Model("tiny-llama")
+print(model.generate("Hi", max_tokens=2).token_ids, flush=True)
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_engine_ends_with_a_script_killed_by_sigkill():
+    """vLLM's engine core does not watch the process that started it (vllm-project/vllm#55510):
+    a script killed by SIGKILL (the OOM killer, a crash) left its engine core, its workers and
+    the fork server they came from running, holding their memory until killed by hand. Each
+    ends within seconds of the script now (workers/plugin.py, _end_with_the_owner)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    left: list[psutil.Process] = []
+    try:
+        assert any(line.strip() == "READY" for line in script.stdout)  # (vLLM logs to stdout too)
+        left = psutil.Process(script.pid).children(recursive=True)
+        names = [p.name() for p in left]
+        assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names)
+        os.kill(script.pid, signal.SIGKILL)
+        script.wait()
+        _gone, alive = psutil.wait_procs(left, timeout=30)
+        assert not alive, f"still running 30 s after the script was killed: {[(p.pid, p.name()) for p in alive]}"
+    finally:
+        script.kill()
+        for process in left:  # (what a failure left, for the tests after this one)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()

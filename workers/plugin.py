@@ -30,12 +30,14 @@ TAPS_KEY = "interlace_taps"
 SPLITTING_OPS = ("interlace::tap", "interlace::tap_output")
 LOAD_ERRORS_ENV = "INTERLACE_LOAD_ERRORS"
 CPU_RAY_ENV = "INTERLACE_CPU_RAY"  # set to the Ray resource a CPU rank takes: vLLM's Ray executor on a CPU
+OWNER_ENV = "INTERLACE_ENGINE_OWNER"  # the pid of the process that started the engine (engine.prepare_environment)
 
 
 def register() -> None:
     """The entry point (loaded in every vLLM process, possibly more than once)."""
     _fork_workers_from_the_engine_core()
     _exit_without_collecting()
+    _end_with_the_owner()
     if os.environ.get(CPU_RAY_ENV):
         _ranks_on_ray_from_a_cpu(os.environ[CPU_RAY_ENV])
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -146,6 +148,44 @@ def _exit_without_collecting() -> None:
         import gc
 
         atexit.register(gc.freeze)
+
+
+def _end_with_the_owner() -> None:
+    """In vLLM's engine core process: stop it (SIGTERM, vLLM's own clean shutdown, its workers
+    following through their death pipes) once the process that started the engine has exited.
+
+    vLLM's engine core does not watch its parent (vllm-project/vllm#55510, open): a script killed
+    by SIGKILL, the OOM killer or a crash left its engine core and workers running, holding their
+    memory (a GPU's, or 2 GB of a laptop's) until killed by hand; on a CPU the fork server they
+    come from (engine_processes.py) stayed too. A pidfd becomes readable when that process exits,
+    whatever ended it, and names it exactly (no reused pid); the watch costs a blocked thread."""
+    import multiprocessing
+
+    owner = os.environ.get(OWNER_ENV)
+    if not owner or not multiprocessing.current_process().name.startswith("EngineCore") or _WATCHING:
+        return
+    _WATCHING.append(owner)
+    import signal
+    import threading
+
+    try:
+        pidfd = os.pidfd_open(int(owner))
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (OSError, AttributeError):  # no pidfds here (not Linux 5.3+): vLLM's behaviour
+        return
+
+    def wait_then_stop() -> None:
+        import select
+
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait_then_stop, name="interlace-owner-watch", daemon=True).start()
+
+
+_WATCHING: list[str] = []  # this process watches its owner already (register() may run twice)
 
 
 def tell_the_caller(exc: BaseException) -> None:
