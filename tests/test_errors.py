@@ -181,6 +181,28 @@ def test_huge_saves_are_refused(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def _holds_itself(m):
+    kept = [m.layers[1].resid.sum()]
+    kept.append(kept)
+    mine = {"step": 0}
+    mine["me"] = mine
+    m.save("list", kept)
+    m.share("dict", mine)
+
+
+def test_saved_and_shared_values_that_hold_themselves_arrive_as_they_were(llama):
+    """Sizing a saved value walked it without noting what it had seen: a list that holds itself
+    kept the program in that walk until the trace's time limit stopped it (60 s, with every other
+    invoke of the engine waiting), named as a program that ran too long."""
+    started = time.monotonic()
+    with llama.trace(max_tokens=2) as tr:
+        tr.invoke(PROMPT, program=_holds_itself)
+    assert time.monotonic() - started < 30
+    saved, shared = tr.result[0].saves["list"], tr.result.shared["dict"]
+    assert len(saved) == 2 and all(step[1] is step for step in saved)
+    assert shared[0]["me"] is shared[0]
+
+
 def test_a_save_that_cannot_be_written_fails_its_invoke_only(llama, oracles):
     """Reports are written on a background thread; a save that cannot be serialised (a lock)
     fails its invoke with a message, the other invoke's saves arrive, the engine serves on."""

@@ -313,10 +313,15 @@ class ProgramServices:
 def value_bytes(value: Any) -> int:
     """About what a value weighs in memory: tensors and arrays their elements, bytes and strings
     their length, containers what they hold (walked without recursion: a list nested thousands
-    deep is a value too), anything else its own size."""
-    total, stack = 0, [value]
+    deep is a value too), each once (a list that holds itself is a value too: the walk never
+    ended, and the program ran into its time limit), anything else its own size."""
+    total, stack, seen = 0, [value], set()
     while stack:
         item = stack.pop()
+        if isinstance(item, (dict, list, tuple, set, frozenset)):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
         if isinstance(item, torch.Tensor):
             total += item.nelement() * item.element_size()
         elif isinstance(item, np.ndarray):
