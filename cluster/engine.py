@@ -245,8 +245,9 @@ def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
 @contextlib.contextmanager
 def load_refusals_raised():
     """Around an engine's start: where a worker refused interlace's settings while loading the
-    model (a graph tap the model cannot have), raise that reason, not vLLM's bare "Engine core
-    initialization failed. See root cause above." (whose cause is only in the worker's log).
+    model (a graph tap the model cannot have), or the engine core failed (a KV cache too small),
+    raise that reason, not vLLM's bare "Engine core initialization failed. See root cause
+    above." (whose cause is only in the engine's log).
 
     vLLM passes no error text from a failed engine core back to its caller, so the workers write
     refusals to a file named in their environment (``workers/plugin.py``), which they inherit
@@ -263,7 +264,7 @@ def load_refusals_raised():
     except Exception as exc:
         reasons = list(dict.fromkeys(Path(path).read_text(encoding="utf-8").splitlines()))  # one per rank
         if reasons:
-            raise ValueError("the engine refused its settings: " + "; ".join(reasons)) from exc
+            raise ValueError("the engine could not start: " + "; ".join(reasons)) from exc
         raise
     finally:
         if os.environ.get(LOAD_ERRORS_ENV) == path:  # another thread's start may have set its own since

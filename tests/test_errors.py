@@ -181,6 +181,16 @@ def test_huge_saves_are_refused(llama, oracles):
     _still_serves(llama, oracles)
 
 
+def test_an_engine_core_that_cannot_start_says_why():
+    """vLLM raises only "Engine core initialization failed. See root cause above." in the caller;
+    the cause (here a KV cache too small for one block) was in the engine core's log only."""
+    from interlace.cluster.config import ModelConfig
+
+    cfg = ModelConfig.load("tiny-llama").model_copy(update={"kv_cache_bytes": 1024})
+    with pytest.raises(ValueError, match="the engine could not start: No available memory for the cache blocks"):
+        interlace.Model(cfg).engine
+
+
 def _holds_itself(m):
     kept = [m.layers[1].resid.sum()]
     kept.append(kept)

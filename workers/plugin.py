@@ -38,6 +38,7 @@ def register() -> None:
     _fork_workers_from_the_engine_core()
     _exit_without_collecting()
     _end_with_the_owner()
+    _tell_the_caller_why_the_engine_core_failed()
     if os.environ.get(CPU_RAY_ENV):
         _ranks_on_ray_from_a_cpu(os.environ[CPU_RAY_ENV])
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -186,6 +187,35 @@ def _end_with_the_owner() -> None:
 
 
 _WATCHING: list[str] = []  # this process watches its owner already (register() may run twice)
+
+
+def _tell_the_caller_why_the_engine_core_failed() -> None:
+    """In vLLM's engine core process: tell the caller the error its start failed with, as workers
+    tell theirs (:func:`tell_the_caller`), where none did. vLLM logs it here and raises only
+    "Engine core initialization failed. See root cause above." in the caller, so a KV cache too
+    small for one sequence (``kv_cache_bytes``) or any other refusal of the engine core's own
+    read that in a notebook or a Ray driver, with the cause in a log elsewhere."""
+    import multiprocessing
+
+    if not multiprocessing.current_process().name.startswith("EngineCore") or not os.environ.get(LOAD_ERRORS_ENV):
+        return
+    import logging
+
+    class Told(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            path = os.environ.get(LOAD_ERRORS_ENV)
+            if not (record.exc_info and record.getMessage().startswith("EngineCore failed to start") and path):
+                return
+            try:
+                if os.path.getsize(path):  # a worker told its own reason, which the engine core's only wraps
+                    return
+            except OSError:
+                return
+            tell_the_caller(record.exc_info[1])
+
+    logger = logging.getLogger("vllm.v1.engine.core")
+    if not any(type(h).__name__ == "Told" for h in logger.handlers):  # register() may run twice
+        logger.addHandler(Told(logging.ERROR))
 
 
 def tell_the_caller(exc: BaseException) -> None:
