@@ -364,6 +364,11 @@ def test_op_values_positions_and_save_names_that_would_silently_mislead_are_refu
         ops.add("layers.1.resid", torch.ones(128, dtype=torch.complex64))
     with pytest.raises(TypeError, match="replace: the value must be a tensor or numbers, got str"):
         ops.replace("layers.1.resid", "abc")
+    # a meta vector failed in the op's digest with torch's error; a sparse one failed on the engine
+    with pytest.raises(ValueError, match="add: a tensor on the meta device has no values to add"):
+        ops.add("layers.1.resid", torch.ones(128, device="meta"))
+    with pytest.raises(TypeError, match=r"replace: the value must be a dense tensor, got a sparse_coo one; pass value.to_dense\(\)"):
+        ops.replace("layers.1.resid", torch.ones(128).to_sparse())
     with pytest.raises(ValueError, match="two saves name 'x': layers.1.resid and layers.2.resid"):
         llama.generate(PROMPT, ops=[ops.save("layers.1.resid", name="x"), ops.save("layers.2.resid", name="x")])
     prompt_then_last = [ops.save("layers.1.resid", name="x", steps=[0]),

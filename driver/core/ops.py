@@ -135,4 +135,12 @@ def _real_tensor(kind: str, value) -> torch.Tensor:
         raise TypeError(f"{kind}: the value must be a tensor or numbers, got {type(value).__name__} ({exc})") from None
     if tensor.is_complex():
         raise TypeError(f"{kind}: the value must be real, got {tensor.dtype}")
+    # A meta tensor failed in the op's digest with torch's "Cannot copy out of meta tensor"; a
+    # sparse, nested or quantized one failed each invoke on the engine with torch's own errors.
+    if tensor.is_meta:
+        raise ValueError(f"{kind}: a tensor on the meta device has no values to {kind}")
+    if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized:
+        kind_of = "nested" if tensor.is_nested else "quantized" if tensor.is_quantized else str(tensor.layout).removeprefix("torch.")
+        dense = {"nested": "value.to_padded_tensor(0)", "quantized": "value.dequantize()"}.get(kind_of, "value.to_dense()")
+        raise TypeError(f"{kind}: the value must be a dense tensor, got a {kind_of} one; pass {dense}")
     return tensor
