@@ -644,6 +644,16 @@ def test_a_program_that_would_do_nothing_or_cannot_take_m_is_refused_before_anyt
     assert ray.is_initialized() == ray_was_up  # refused before the sweep joins or starts a Ray cluster
 
 
+def test_a_json_lines_file_mixing_text_and_token_prompts_is_refused_naming_the_file(tmp_path):
+    """pyarrow cannot type such a column, Ray Data then read the file as one JSON value, and the
+    sweep failed with "RayTaskError(JSONDecodeError): ray::ReadArrowJSON->SplitBlocks(4)()"."""
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a text"}, {"prompt": [1, 5, 7]}])
+    fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", intervention={"ops": [{"op": "save", "point": "logits"}]})
+    with pytest.raises(ValueError, match=r"prompts.jsonl'\] could not be read as json: JSONDecodeError: .*"
+                                         r"every row's prompt must be of one kind in a file"):
+        run_sweep(SweepConfig.load(write_config(tmp_path, "mixed", **fields)))
+
+
 def test_generation_settings_vllm_cannot_take_are_refused_before_anything_starts(tmp_path):
     """A sampling field of the wrong type (YAML reads ``seed: "1"`` and ``bad_words: [5]`` as
     written) failed in every replica's engine core, where it first hung the engine (fixed in

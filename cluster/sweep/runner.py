@@ -181,6 +181,12 @@ def read_prompts(cfg: SweepInput) -> list[PromptRow]:
         try:
             refs = reader(_expand(cfg.paths)).to_arrow_refs()
             table = pa.concat_tables(ray.get(refs), promote_options="permissive")
+        except Exception as exc:  # noqa: BLE001 - Ray Data's task error names only its read task
+            # e.g. a JSON lines file whose prompts are text in some rows and token ids in others:
+            # pyarrow cannot type the column, and Ray's fallback reads the file as one JSON value
+            hint = ("; every row's prompt must be of one kind in a file (text, or a list of token ids), and the "
+                    "file JSON lines") if fmt == "json" else ""
+            raise ValueError(f"the input {cfg.paths} could not be read as {fmt}: {_first_line(exc)}{hint}") from None
         finally:
             context.execution_options.preserve_order = before
     if table.num_rows and cfg.column not in table.column_names:  # every row would fail, after engines started
