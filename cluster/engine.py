@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import tempfile
 import threading
 import time
@@ -207,7 +208,12 @@ def prepare_environment(cfg: ModelConfig) -> None:
     os.environ[OWNER_ENV] = str(os.getpid())  # its engine core ends with this process (plugin._end_with_the_owner)
     if settings.device() == "cpu":
         chosen = settings.cpu_cores()  # a cluster replica's own cores (set in its actor's runtime_env)
-        ordered = chosen or sorted(os.sched_getaffinity(0))
+        usable = sorted(os.sched_getaffinity(0))
+        missing = sorted(set(chosen or ()) - set(usable))
+        if missing:  # vLLM bound the ranks' threads to cores that are not there, and ran on
+            raise ValueError(f"cpu_cores: cores {missing} are not among those this process may use on "
+                             f"{platform.node()} ({usable}); name cores of the replica's host")
+        ordered = chosen or usable
         # One core per rank, round-robin: "0|1" for two ranks, "0|1|0|1" for four on two cores.
         binding = "|".join(str(ordered[i % len(ordered)]) for i in range(cfg.world_size))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding if cfg.world_size > 1 or chosen else "auto"

@@ -112,3 +112,23 @@ def test_an_engine_ends_with_a_script_killed_by_sigkill():
         for process in left:  # (what a failure left, for the tests after this one)
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def test_cores_the_process_cannot_use_are_refused_before_the_engine_starts(monkeypatch):
+    """A replica bound to cores its host does not have (``cpu_cores: [[7]]`` on two cores) started,
+    vLLM binding its threads to cores that are not there; it now fails to start, saying why."""
+    import pytest
+
+    from interlace.cluster.config import ModelConfig
+    from interlace.cluster.engine import prepare_environment
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "INTERLACE_ENGINE_OWNER"):  # set by prepare_environment: restored after
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("INTERLACE_DEVICE", "cpu")  # (CPU engines only bind cores)
+    usable = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("INTERLACE_CPU_CORES", f"{usable[0]},{max(usable) + 5}")
+    with pytest.raises(ValueError, match=rf"cpu_cores: cores \[{max(usable) + 5}\] are not among those this process may use"):
+        prepare_environment(ModelConfig.load("tiny-llama"))
+    monkeypatch.setenv("INTERLACE_CPU_CORES", str(usable[0]))
+    prepare_environment(ModelConfig.load("tiny-llama"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(usable[0])
