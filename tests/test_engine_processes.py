@@ -102,7 +102,7 @@ def test_an_engine_ends_with_a_script_killed_by_sigkill():
         assert any(line.strip() == "READY" for line in script.stdout)  # (vLLM logs to stdout too)
         left = psutil.Process(script.pid).children(recursive=True)
         names = [p.name() for p in left]
-        assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names)
+        assert any(n.startswith("VLLM::EngineCor") for n in names)  # (and on a CPU its worker: a GPU's is in it)
         os.kill(script.pid, signal.SIGKILL)
         script.wait()
         _gone, alive = psutil.wait_procs(left, timeout=30)
