@@ -535,6 +535,16 @@ class GenerationConfig(BaseModel):
     max_save_bytes: int = Field(1 << 30, gt=0, description="The most one prompt may save.")
     sampling: dict[str, Any] = Field(default_factory=dict, description="Further vllm.SamplingParams fields (top_p...).")
 
+    @model_validator(mode="after")
+    def _sampling_adds_fields(self) -> "GenerationConfig":
+        # ``sampling: {seed: 1}`` beside the named fields failed the sweep's start with "dict() got
+        # multiple values for keyword argument 'seed'" and a traceback
+        named = sorted(set(self.sampling) & {"max_tokens", "temperature", "seed", "ignore_eos", "logprobs"})
+        if named:
+            raise ValueError(f"generation.sampling sets {named}, which are generation's own fields; set "
+                             + ", ".join(f"generation.{name}" for name in named) + " instead")
+        return self
+
     def settings(self) -> dict[str, Any]:
         """SamplingParams fields, as ``Model.trace`` builds them."""
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed, logprobs=None,

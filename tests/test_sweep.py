@@ -669,6 +669,10 @@ def test_generation_settings_vllm_cannot_take_are_refused_before_anything_starts
         fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", generation={"sampling": sampling})
         with pytest.raises(ValueError, match=f"the sweep's generation settings: {why}"):
             run_sweep(SweepConfig.load(write_config(tmp_path, "bad", **fields)))
+    # a named field set again in sampling failed with "dict() got multiple values for keyword argument"
+    fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", generation={"seed": 1, "sampling": {"seed": 2}})
+    with pytest.raises(ValueError, match=r"generation.sampling sets \['seed'\], which are generation's own fields; set generation.seed"):
+        SweepConfig.load(write_config(tmp_path, "twice", **fields))
     assert ray.is_initialized() == ray_was_up
     # A failure raised through Ray's wrappers: the status names the cause, not the actor
     try:
