@@ -660,7 +660,7 @@ def test_generation_settings_vllm_cannot_take_are_refused_before_anything_starts
     cluster/assembly.py), then failed each shard under a Ray wrapper that named no cause."""
     import ray
 
-    from interlace.cluster.sweep.runner import _first_line
+    from interlace.cluster.sweep.prompts import first_line as _first_line
 
     ray_was_up = ray.is_initialized()
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
