@@ -61,7 +61,7 @@ from interlace.cluster.sweep.shard_writer import (
     merge_partials,
     shard_stem,
 )
-from interlace.cluster.sweep.store import SweepStore, is_url, shard_tensors
+from interlace.cluster.sweep.store import SweepStore, is_url, shard_tensors, without_secret
 from interlace.core import settings, sigterm
 from interlace.core.trace import batched, check_program, dumps, programs_by_value
 
@@ -121,7 +121,8 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
             except Exception as exc:
                 if not isinstance(exc, SweepStopped):  # its own status is written already
                     manifest["status"] = f"failed: {first_line(exc)}"
-                    _write_manifest(out, manifest)
+                    with contextlib.suppress(OSError):  # a full disk: the error itself is what to raise
+                        _write_manifest(out, manifest)
                 raise
             except BaseException:  # Ctrl-C, SIGTERM: the pool is stopped on the way out (_stream)
                 manifest["status"] = f"stopped: {'SIGTERM' if sigterm.received() else 'interrupted'}; rerun to resume"
@@ -293,11 +294,15 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
                                            enable_true_multi_threading=True),
         ray_remote_args_fn=_slot_args(cfg, groups, names), **_actor_resources(cfg, spread=groups is not None))
     failures = sum(rec["failures"] for rec in manifest["shards"].values())
-    rows_iter = results.iter_rows()
+    # A generator (closed below), without prefetching: Ray Data stops its prefetch thread only when
+    # an iteration runs to its end, and that thread's ray.wait after ray.shutdown (a stopped sweep)
+    # ends the whole process in Ray's core worker before `interlace sweep` has said why it stopped.
+    # The records are a few hundred bytes: prefetching them gains nothing.
+    batches = iter(results.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0))
+    records = (json.loads(text) for batch in batches for text in batch["record"])
     last_write = 0.0
     try:
-        for row in rows_iter:
-            record = json.loads(row["record"])
+        for record in records:
             if "fatal" in record:
                 _stop(out, manifest, f"shard {record['shard']}: {record['fatal']}")
             manifest["shards"][str(record["shard"])] = record
@@ -315,7 +320,7 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
                 last_write = time.monotonic()
     finally:
         with contextlib.suppress(Exception):
-            rows_iter.close()  # stops the pool (early stop or error)
+            batches.close()  # shuts Ray Data's executor down now (early stop or error), not when collected
         _kill_left_over(names)
         for group in groups or ():  # after the pool: its actors and their engines' ranks live in them
             with contextlib.suppress(Exception):
@@ -340,7 +345,10 @@ def _data_context(**settings: Any):
 
 def _stop(out: SweepStore, manifest: dict, why: str) -> None:
     manifest["status"] = f"stopped: {why}"
-    _write_manifest(out, manifest)
+    try:
+        _write_manifest(out, manifest)
+    except OSError as exc:  # e.g. the output's disk is full: why the sweep stopped matters more
+        why += f" (manifest.json could not record this: {exc})"
     raise SweepStopped(f"sweep stopped: {why}")
 
 
@@ -434,22 +442,10 @@ def _start_manifest(out: SweepStore, cfg: SweepConfig, identity: str) -> dict:
                              "size or model differ from this config's); choose another output folder, or remove "
                              "that one to start over")
     config = cfg.model_dump(mode="json")
-    config["output"] = _without_secret(config["output"])
+    config["output"] = without_secret(config["output"])
     return {"format": FORMAT, "identity": identity, "status": "starting", "config": config,
             "versions": _versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "shards": {},
             "sources": old.get("sources")}  # checked once the prompts are read
-
-
-def _without_secret(output: str) -> str:
-    """The output URL as the manifest keeps it: no credentials from its user part or query."""
-    if not is_url(output):
-        return output
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-
-    parts = urlsplit(output)
-    query = [(k, "***" if k in ("secret_key", "session_token") else v) for k, v in parse_qsl(parts.query)]
-    netloc = parts.netloc.rpartition("@")[2] if "@" in parts.netloc else parts.netloc
-    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe=":*/")))
 
 
 def _write_manifest(out: SweepStore, manifest: dict) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from interlace.core.merge import merge_values
 from interlace.cluster.replica import Replica
-from interlace.cluster.sweep.store import SweepStore, attempt_stem
+from interlace.cluster.sweep.store import SweepStore, attempt_stem, without_secret
 from interlace.cluster.sweep.tensor_file import joined_shape, storable
 from interlace.core.trace import Invoke, check_ops, encode_payloads
 from interlace.core.wire import ShardTask, printed_text
@@ -171,8 +171,16 @@ class ShardRunner:
                     runnable.append(row)
         if runnable:
             self._run(runnable, outcomes)
-        return write_shard(self.out, shard, rows, outcomes, run_s=round(time.monotonic() - started, 4),
-                           host=socket.gethostname(), pid=os.getpid())
+        try:
+            return write_shard(self.out, shard, rows, outcomes, run_s=round(time.monotonic() - started, 4),
+                               host=socket.gethostname(), pid=os.getpid())
+        except OSError as exc:
+            # The output is full, read-only or unreachable: no later shard would fare better, so
+            # the sweep stops with this cause (a fatal record) rather than Ray Data's "UDF failed to
+            # process a data block". Nothing of this attempt counts: its record was not written.
+            return {"shard": shard, "fatal": f"cannot write its files to {without_secret(self.out.output)} "
+                    f"({type(exc).__name__}: {exc}); free space or fix the output, then rerun the same "
+                    "command: committed shards are kept"}
 
     def _measure(self, prompt: str | list[int]) -> tuple[int | None, str | None]:
         """The prompt's token count, or why it cannot run (ids outside the vocabulary, too long)."""

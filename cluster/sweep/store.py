@@ -33,6 +33,18 @@ def is_url(output: str) -> bool:
     return "://" in output
 
 
+def without_secret(output: str) -> str:
+    """The output URL as the manifest and messages show it: no credentials from its user part or query."""
+    if not is_url(output):
+        return output
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(output)
+    query = [(k, "***" if k in ("secret_key", "session_token") else v) for k, v in parse_qsl(parts.query)]
+    netloc = parts.netloc.rpartition("@")[2] if "@" in parts.netloc else parts.netloc
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe=":*/")))
+
+
 class SweepStore:
     """One sweep's output location; names are relative to it (``shard-00000.json``)."""
 
