@@ -99,6 +99,12 @@ _HINTS = (
      "the model runs without gradients (vLLM's inference kernels have no backward; docs/guide.md, Limits today); "
      "for gradients of your own code on a value the program read (a probe's), compute them inside "
      "`with torch.inference_mode(False), torch.enable_grad():` on a .clone() of the value"),
+    # A program travels by value, the modules it uses by name (but its own: trace.programs_by_value);
+    # a replica's actor or another node may not have them on its path (a sys.path.insert in the script).
+    (ModuleNotFoundError, "No module named",
+     "the program uses a module that the engine's process cannot import: install it where the engines run, give "
+     "Ray's runtime_env={'py_modules': [module]} to ray.init, or send it with the program by calling "
+     "cloudpickle.register_pickle_by_value(module) before the trace"),
 )
 
 
