@@ -39,9 +39,13 @@ def read_prompts(cfg: SweepInput) -> list[PromptRow]:
         context = ray.data.DataContext.get_current()
         before = context.execution_options.preserve_order
         context.execution_options.preserve_order = True  # row order is what fixes prompt ids
+        files = _expand(cfg.paths)
+        if not files:
+            raise ValueError(f"the input {cfg.paths} holds no files; list files or folders of prompts")
         try:
-            refs = reader(_expand(cfg.paths)).to_arrow_refs()
-            table = pa.concat_tables(ray.get(refs), promote_options="permissive")
+            tables = ray.get(reader(files).to_arrow_refs())
+            # empty files give no blocks at all (pyarrow: "Must pass at least one table")
+            table = pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
         except Exception as exc:  # noqa: BLE001 - Ray Data's task error names only its read task
             # e.g. a JSON lines file whose prompts are text in some rows and token ids in others:
             # pyarrow cannot type the column, and Ray's fallback reads the file as one JSON value
@@ -50,16 +54,18 @@ def read_prompts(cfg: SweepInput) -> list[PromptRow]:
             raise ValueError(f"the input {cfg.paths} could not be read as {fmt}: {first_line(exc)}{hint}") from None
         finally:
             context.execution_options.preserve_order = before
-    if table.num_rows and cfg.column not in table.column_names:  # every row would fail, after engines started
+    if not table.num_rows:  # a sweep of nothing is more likely a wrong path or an unfinished file
+        raise ValueError(f"the input {cfg.paths} holds no rows; a sweep needs at least one prompt")
+    if cfg.column not in table.column_names:  # every row would fail, after engines started
         raise ValueError(f"the input has no column {cfg.column!r} (its columns: {table.column_names}); "
                          "set input.column to the one holding the prompts")
-    values = table.column(cfg.column).to_pylist() if cfg.column in table.column_names else [None] * table.num_rows
+    values = table.column(cfg.column).to_pylist()
     order = list(range(table.num_rows))
     if cfg.shuffle_seed is not None:
         random.Random(cfg.shuffle_seed).shuffle(order)
     if cfg.limit is not None:
         order = order[:cfg.limit]
-    return [PromptRow(i, src, *_checked(values[src], cfg.column, table.column_names)) for i, src in enumerate(order)]
+    return [PromptRow(i, src, *_checked(values[src], cfg.column)) for i, src in enumerate(order)]
 
 
 def read_hf_dataset(path: str):
@@ -104,10 +110,9 @@ def _expand(paths: list[str]) -> list[str]:
     return files
 
 
-def _checked(value: Any, column: str, columns: list[str]) -> tuple[Any, str | None]:
-    if value is None:
-        where = f"the input has no such column (columns: {columns})" if column not in columns else "missing or null"
-        return None, f"row has no prompt in column {column!r}: {where}"
+def _checked(value: Any, column: str) -> tuple[Any, str | None]:
+    if value is None:  # a row without the column (another file of the input has it) or a null
+        return None, f"row has no prompt in column {column!r}: missing or null"
     if isinstance(value, str):
         return (value, None) if value.strip() else (value, "empty prompt")
     if isinstance(value, list):

@@ -1,0 +1,162 @@
+"""A sweep that cannot run is refused with one message before any engine starts: its input (a
+JSON lines file pyarrow cannot type, no prompt at all, a path that does not exist), its output
+(one that cannot be made, a folder holding another sweep), its config (not YAML, a program that
+would do nothing, generation settings vLLM cannot take). One local Ray for the module, which each
+sweep joins (as ``ray job submit`` has it do)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import interlace
+from interlace.cluster.config import SweepConfig
+from interlace.cluster.sweep.runner import run_sweep
+from test_sweep import CLUSTER, write_config, write_jsonl
+
+OPS = {"ops": [{"op": "save", "point": "logits"}]}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=200 << 20)
+    yield
+    ray.shutdown()
+
+
+def test_a_json_lines_file_mixing_text_and_token_prompts_is_refused_naming_the_file(local_ray, tmp_path):
+    """pyarrow cannot type such a column, Ray Data then read the file as one JSON value, and the
+    sweep failed with "RayTaskError(JSONDecodeError): ray::ReadArrowJSON->SplitBlocks(4)()"."""
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a text"}, {"prompt": [1, 5, 7]}])
+    fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", intervention=OPS)
+    with pytest.raises(ValueError, match=r"prompts.jsonl'\] could not be read as json: JSONDecodeError: .*"
+                                         r"every row's prompt must be of one kind in a file"):
+        run_sweep(SweepConfig.load(write_config(tmp_path, "mixed", **fields)))
+
+
+@pytest.mark.parametrize("case", ["empty JSON lines", "Parquet of no rows", "folder of no files"])
+def test_an_input_without_prompts_is_refused_naming_it(local_ray, tmp_path, case):
+    """An empty JSON lines file failed with "ArrowInvalid: Must pass at least one table" and a hint
+    about mixed prompts; a Parquet file of no rows "completed" a sweep of nothing."""
+    if case == "empty JSON lines":
+        (tmp_path / "prompts.jsonl").write_text("")
+        source, why = {"paths": ["prompts.jsonl"]}, r"prompts.jsonl'\] holds no rows; a sweep needs at least one prompt"
+    elif case == "Parquet of no rows":
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "prompts.parquet")
+        source, why = {"paths": ["prompts.parquet"]}, r"prompts.parquet'\] holds no rows"
+    else:
+        (tmp_path / "prompts").mkdir()
+        source, why = {"paths": ["prompts"], "format": "json"}, r"prompts'\] holds no files"
+    config = SweepConfig.load(write_config(tmp_path, "empty", input=source, output="out", intervention=OPS))
+    with pytest.raises(ValueError, match=why):
+        run_sweep(config)
+    assert not list((tmp_path / "out").glob("shard-*"))
+
+
+def test_a_missing_input_or_an_output_that_cannot_be_made_is_one_line_from_the_command(local_ray, tmp_path, capsys):
+    """`interlace sweep` answered both with a traceback (FileNotFoundError, NotADirectoryError)."""
+    from interlace.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    handler = signal.getsignal(signal.SIGTERM)  # main() takes SIGTERM over, as the command does
+    try:
+        for name, fields, message in (
+                ("missing", dict(input={"paths": ["nope.jsonl"]}, output="out"), "input path .*nope.jsonl does not exist"),
+                ("unmakeable", dict(input={"paths": ["nope.jsonl"]}, output="a-file/out"), "Not a directory")):
+            config = write_config(tmp_path, name, cluster={**CLUSTER, "replicas": 1}, generation={"max_tokens": 2}, **fields)
+            assert main(["sweep", str(config)]) == 2
+            err = capsys.readouterr().err
+            assert re.search(f"^interlace sweep: .*{message}", err, re.M) and "Traceback" not in err, err
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def test_a_config_that_is_not_valid_yaml_is_refused_naming_its_line(tmp_path, capsys):
+    """`interlace sweep` answered a YAML typo with a traceback (yaml's error is no ValueError)."""
+    from interlace.cli import main
+
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("cluster: tiny-llama-2\ninput: {paths: [prompts.jsonl]\n")
+    handler = signal.getsignal(signal.SIGTERM)  # main() takes SIGTERM over, as the command does
+    try:
+        for command in ("sweep", "serve"):
+            assert main([command, str(bad)]) == 2
+            assert "not valid YAML" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    with pytest.raises(ValueError, match=f'(?s)not valid YAML: .*in "{bad}", line 2'):
+        interlace.Model(bad)
+
+
+def test_a_folder_holding_another_sweep_is_refused_before_anything_starts(tmp_path):
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", shard_size=4)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"identity": "another sweep"}))
+    with pytest.raises(ValueError, match="holds another sweep"):
+        run_sweep(SweepConfig.load(write_config(tmp_path, "mine", **fields)))
+
+
+def test_a_program_that_would_do_nothing_or_cannot_take_m_is_refused_before_anything_starts(tmp_path):
+    import ray
+
+    ray_was_up = ray.is_initialized()  # (this module's other tests may have left their cluster up)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    (tmp_path / "odd_programs.py").write_text(textwrap.dedent("""
+        def generator(m):
+            m.save("r", m.layers[1].resid)
+            yield
+
+        def two(m, layer):
+            m.save("r", m.layers[layer].resid)
+    """))
+    for name, why in [("generator", "generator is a generator function"), ("two", r"two\(m, layer\) cannot be called")]:
+        fields = dict(input={"paths": ["prompts.jsonl"]}, output=f"out-{name}", intervention={"program": f"odd_programs:{name}"})
+        with pytest.raises(ValueError, match=f"intervention.program 'odd_programs:{name}': program {why}"):
+            run_sweep(SweepConfig.load(write_config(tmp_path, name, **fields)))
+    # Program settings with no program: the ops ran at every step, steps and all ignored.
+    for setting, why in [({"steps": [0]}, r"steps=\[0\] selects the steps a program runs at"), ({"batched": True}, "batched marks")]:
+        intervention = {"ops": [{"op": "save", "point": "layers.1.resid"}], **setting}
+        fields = dict(input={"paths": ["prompts.jsonl"]}, output="out-ops", intervention=intervention)
+        with pytest.raises(ValueError, match=f"{why}.*this invoke has no program"):
+            SweepConfig.load(write_config(tmp_path, "ops", **fields))
+    assert ray.is_initialized() == ray_was_up  # refused before the sweep joins or starts a Ray cluster
+
+
+def test_generation_settings_vllm_cannot_take_are_refused_before_anything_starts(tmp_path):
+    """A sampling field of the wrong type (YAML reads ``seed: "1"`` and ``bad_words: [5]`` as
+    written) failed in every replica's engine core, where it first hung the engine (fixed in
+    cluster/assembly.py), then failed each shard under a Ray wrapper that named no cause."""
+    import ray
+
+    from interlace.cluster.sweep.prompts import first_line as _first_line
+
+    ray_was_up = ray.is_initialized()
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    for sampling, why in [({"bad_words": [5]}, r"sampling setting bad_words\[0\]: Expected `str`, got `int`"),
+                          ({"logit_bias": {"x": 1.0}}, "sampling setting logit_bias")]:
+        fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", generation={"sampling": sampling})
+        with pytest.raises(ValueError, match=f"the sweep's generation settings: {why}"):
+            run_sweep(SweepConfig.load(write_config(tmp_path, "bad", **fields)))
+    # a named field set again in sampling failed with "dict() got multiple values for keyword argument"
+    fields = dict(input={"paths": ["prompts.jsonl"]}, output="out", generation={"seed": 1, "sampling": {"seed": 2}})
+    with pytest.raises(ValueError, match=r"generation.sampling sets \['seed'\], which are generation's own fields; set generation.seed"):
+        SweepConfig.load(write_config(tmp_path, "twice", **fields))
+    assert ray.is_initialized() == ray_was_up
+    # A failure raised through Ray's wrappers: the status names the cause, not the actor
+    try:
+        try:
+            raise TypeError("sampling setting seed: Expected `int | null`")
+        except TypeError as cause:
+            raise RuntimeError("ray::MapWorker(MapBatches(ShardRunner)).submit() (pid=1)\nTraceback...") from cause
+    except RuntimeError as wrapped:
+        assert _first_line(wrapped) == "TypeError: sampling setting seed: Expected `int | null`"
