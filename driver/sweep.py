@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from interlace.cluster.sweep.shard_writer import INDEX_COLUMNS
-from interlace.cluster.sweep.store import SweepStore, shard_tensors
+from interlace.cluster.sweep.store import SweepStore, shard_tensors, without_secret
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Sweep:
         """Every shard's index as one ``pyarrow.Table``, in prompt id order."""
         import pyarrow as pa
 
-        tables = [self.store.read_table(r["files"]["index"]["name"]) for _, r in sorted(self.records.items())]
+        tables = [self.store.read_table(self._checked(k, "index")) for k in sorted(self.records)]
         if not tables:
             return pa.table({c: [] for c in INDEX_COLUMNS})
         return pa.concat_tables(tables, promote_options="default")
@@ -100,7 +100,7 @@ class Sweep:
             raise KeyError(f"prompt {prompt_id} is not in this sweep (prompts 0-{self.manifest['counts']['prompts'] - 1}; "
                            f"shards written: {len(self.records)} of {self.manifest['counts']['shards']})")
         if shard not in self._indexes:
-            self._indexes[shard] = self.store.read_table(self.records[shard]["files"]["index"]["name"])
+            self._indexes[shard] = self.store.read_table(self._checked(shard, "index"))
         return SweepPrompt(self._indexes[shard].slice(prompt_id - shard * self.shard_size, 1).to_pylist()[0], self)
 
     def __iter__(self) -> Iterator[SweepPrompt]:
@@ -122,8 +122,24 @@ class Sweep:
 
     def _open(self, shard: int):
         if shard not in self._files:
-            self._files[shard] = shard_tensors(self.store, self.records[shard]["files"]["tensors"]["name"])
+            self._files[shard] = shard_tensors(self.store, self._checked(shard, "tensors"))
         return self._files[shard]
+
+    def _checked(self, shard: int, kind: str) -> str:
+        """The name of shard ``shard``'s ``kind`` file ("tensors", "index"), once it is the size its
+        record says: a file cut short or changed after the sweep (a partial copy, a full disk) failed
+        in safetensors or pyarrow with "incomplete metadata, file not fully covered"."""
+        file = self.records[shard]["files"][kind]
+        try:
+            size = self.store.size(file["name"])
+        except FileNotFoundError:
+            size = None
+        if size != file["bytes"]:
+            found = "is missing" if size is None else f"is {size} bytes, not the {file['bytes']} its record says"
+            raise OSError(f"shard {shard}'s {kind} file {file['name']} in {without_secret(str(self.path))} {found}: "
+                          "it was removed or changed after the sweep wrote it. Rerun the sweep's command "
+                          "(`interlace sweep CONFIG`), which writes such a shard again")
+        return file["name"]
 
 
 def open_sweep(path: str | Path) -> Sweep:

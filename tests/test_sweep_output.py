@@ -1,4 +1,5 @@
-"""A sweep whose output fills up: a real file system that runs out of space mid-sweep.
+"""A sweep's output when something goes wrong with it: a real file system that runs out of space
+mid-sweep, and shard files changed after the sweep wrote them, read back with ``open_sweep``.
 
 `interlace sweep` runs in a mount namespace of its own (``unshare --map-root-user --mount``, which
 needs no privilege where user namespaces are on) over a tmpfs of 64 KiB: the first shards fit,
@@ -16,6 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
 import interlace
@@ -26,9 +28,12 @@ PROMPTS = 12
 SHARD_SIZE = 2
 
 
-def test_a_full_output_stops_the_sweep_with_one_line_and_a_rerun_with_room_finishes_it(tmp_path):
-    """A full disk failed `interlace sweep` with Ray Data's "UDF failed to process a data block",
-    a traceback, and a manifest status naming only the Ray wrapper."""
+@pytest.fixture(scope="module")
+def full_then_room(tmp_path_factory) -> Path:
+    """The sweep run twice in one mount namespace: on a full tmpfs, then remounted larger. Its
+    folder: the commands' output (``first.*``, ``second.*``) and copies of the sweep's output
+    after each run (``after-first``, ``after-second``)."""
+    tmp_path = tmp_path_factory.mktemp("full")
     assert shutil.which("unshare"), "util-linux's unshare runs this test's sweep in its own mount namespace"
     out = tmp_path / "full"
     out.mkdir()
@@ -54,7 +59,13 @@ def test_a_full_output_stops_the_sweep_with_one_line_and_a_rerun_with_room_finis
     done = subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c", script], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    return tmp_path
 
+
+def test_a_full_output_stops_the_sweep_with_one_line_and_a_rerun_with_room_finishes_it(full_then_room):
+    """A full disk failed `interlace sweep` with Ray Data's "UDF failed to process a data block",
+    a traceback, and a manifest status naming only the Ray wrapper."""
+    tmp_path, out = full_then_room, full_then_room / "full"
     first_err = (tmp_path / "first.err").read_text()
     assert (tmp_path / "first.rc").read_text().strip() == "1", first_err[-3000:]
     assert "Traceback" not in first_err, first_err[-3000:]
@@ -79,3 +90,20 @@ def test_a_full_output_stops_the_sweep_with_one_line_and_a_rerun_with_room_finis
     assert sorted(index["prompt_id"]) == list(range(PROMPTS)) and not index["error"].any()
     for i in range(PROMPTS):
         assert sweep[i].saves["logits"].shape[0] == 4 and sweep[i].saves["layers.1.resid"].shape[0] > 4
+
+
+def test_a_shard_file_changed_after_the_sweep_is_named_when_read(full_then_room, tmp_path):
+    """A tensors file cut short (a partial copy) failed in safetensors with "incomplete metadata,
+    file not fully covered", naming neither the shard nor what to do."""
+    folder = tmp_path / "copy"
+    shutil.copytree(full_then_room / "after-second", folder)
+    with open(folder / "shard-00001.safetensors", "r+b") as f:
+        f.truncate(1000)
+    (folder / "shard-00002.parquet").unlink()
+    sweep = interlace.open_sweep(folder)
+    assert sweep[0].saves["logits"].shape[0] == 4  # the other shards read as before
+    with pytest.raises(OSError, match=r"shard 1's tensors file shard-00001.safetensors in .* is 1000 bytes, not the "
+                                      r"\d+ its record says: .*Rerun the sweep's command"):
+        sweep[SHARD_SIZE].saves
+    with pytest.raises(OSError, match=r"shard 2's index file shard-00002.parquet in .* is missing: "):
+        sweep.to_pandas()

@@ -161,6 +161,7 @@ def _atomic(path: Path, write: Callable[[str], Any]) -> None:
     finally:
         tmp.unlink(missing_ok=True)
 
+
 def shard_tensors(store: SweepStore, name: str):
     """A shard's tensors file, opened for ``get_slice(name)[a:b]`` / ``get_tensor(name)``: memory-mapped
     when local, read by byte range (only the rows asked for) on an object store."""
@@ -169,6 +170,7 @@ def shard_tensors(store: SweepStore, name: str):
 
         return safe_open(store.local / name, framework="pt")
     return _RangeTensors(store.open_input(name))
+
 
 class _RangeTensors:
     """A ``.safetensors`` object read by byte ranges: its header once, then only the rows sliced."""
