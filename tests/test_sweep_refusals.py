@@ -160,3 +160,31 @@ def test_generation_settings_vllm_cannot_take_are_refused_before_anything_starts
             raise RuntimeError("ray::MapWorker(MapBatches(ShardRunner)).submit() (pid=1)\nTraceback...") from cause
     except RuntimeError as wrapped:
         assert _first_line(wrapped) == "TypeError: sampling setting seed: Expected `int | null`"
+
+
+def test_the_same_sweep_started_again_while_it_runs_is_refused_and_the_first_finishes(local_ray, tmp_path):
+    """The second run ran every shard again, and the two runs' files of one shard could interleave."""
+    import threading
+    import time
+
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Prompt {i} is"} for i in range(6)])
+    config = SweepConfig.load(write_config(tmp_path, "once", cluster={"model": "tiny-llama", "replicas": 1, "cpu_cores": [[0]]},
+                                           input={"paths": ["prompts.jsonl"]}, output="out", shard_size=2,
+                                           intervention=OPS, generation={"max_tokens": 2}))
+    first: dict = {}
+    runner = threading.Thread(target=lambda: first.update(manifest=run_sweep(config, echo=lambda *_: None)), daemon=True)
+    runner.start()
+    manifest = tmp_path / "out" / "manifest.json"
+    deadline = time.monotonic() + 120
+    while not (manifest.is_file() and json.loads(manifest.read_text())["status"] == "running"):
+        assert runner.is_alive() and time.monotonic() < deadline, "the first run never got going"
+        time.sleep(0.2)
+    with pytest.raises(ValueError, match=r"out is being written by another interlace sweep \(pid \d+ on .*, since .*\); "
+                                         "let it end or stop it, then run this command again"):
+        run_sweep(config)
+    runner.join(timeout=300)
+    assert not runner.is_alive() and first["manifest"]["status"] == "complete"
+    assert sorted(int(k) for k in first["manifest"]["shards"]) == [0, 1, 2]
+    assert json.loads(manifest.read_text())["status"] == "complete"  # the refused run wrote nothing
+    assert sorted(interlace.open_sweep(tmp_path / "out").to_pandas()["prompt_id"]) == list(range(6))
+    run_sweep(config, echo=lambda *_: None)  # the lock went with the first run: a rerun resumes (nothing to do)

@@ -34,6 +34,7 @@ nothing committed, and a rerun of the same command runs only the shards without 
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib
 import inspect
@@ -83,11 +84,18 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
               echo: Callable[[str, bool], None] | None = None) -> dict:
     """Run (or resume) ``cfg``'s sweep; returns its manifest. ``base_dir``: where the program's
     module is looked for first (default: the sweep YAML's folder); ``address``: the Ray cluster to join when
-    Ray is not initialized (None: ``RAY_ADDRESS`` or a local one); ``echo(line, final)``: progress."""
-    import ray
-
+    Ray is not initialized (None: ``RAY_ADDRESS`` or a local one); ``echo(line, final)``: progress.
+    A local output is written by one run at a time (``SweepStore.claimed``): ValueError while another runs."""
     out = SweepStore(cfg.output)
     out.make()
+    with out.claimed():
+        return _run_claimed(cfg, out, base_dir, address, echo)
+
+
+def _run_claimed(cfg: SweepConfig, out: SweepStore, base_dir: str | Path | None, address: str | None,
+                 echo: Callable[[str, bool], None] | None) -> dict:
+    import ray
+
     identity = _identity_hash(cfg)
     manifest = _start_manifest(out, cfg, identity)
     # programs imported and tensor files read before any engine starts
@@ -137,6 +145,10 @@ def run_sweep(cfg: SweepConfig, base_dir: str | Path | None = None, address: str
         return manifest
     finally:
         if started_ray:
+            # Ray Data's objects hold object refs in reference cycles; one collected after the
+            # shutdown (by any thread's garbage collection) calls into the gone core worker, which
+            # ends the whole process, before `interlace sweep` had said why the sweep stopped.
+            gc.collect()
             ray.shutdown()
 
 

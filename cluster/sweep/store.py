@@ -17,9 +17,12 @@ which every node of the cluster must have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import struct
+import time
 import uuid
 from dataclasses import dataclass
 from functools import cache
@@ -27,6 +30,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from interlace.cluster.sweep.tensor_file import write_safetensors
+
+
+LOCK = ".interlace-sweep.lock"  # held by the sweep driver writing the folder (SweepStore.claimed)
 
 
 def is_url(output: str) -> bool:
@@ -62,6 +68,33 @@ class SweepStore:
             self.local: Path | None = None
         else:
             self.fs, self.root, self.local = None, "", Path(self.output)
+
+    @contextlib.contextmanager
+    def claimed(self):
+        """This output for one sweep driver while it runs. The same command started again while
+        the first still ran ran every shard again, and the two runs' files of a shard could
+        interleave (one run's tensors under the other's index). An flock on a file in the folder:
+        the kernel lets it go when the process ends, however it ends, and it holds on a shared file
+        system that honours locks (NFS does). An object store has none: not checked there."""
+        if self.local is None:
+            yield
+            return
+        import fcntl
+
+        fd = os.open(self.local / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited (PEP 446)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process"
+                raise ValueError(f"{self.output} is being written by another interlace sweep ({holder}); let it end or "
+                                 "stop it, then run this command again to resume") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                      .encode(), 0)
+            yield
+        finally:
+            os.close(fd)
 
     @property
     def renames(self) -> bool:
