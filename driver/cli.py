@@ -53,7 +53,7 @@ def _serve(path: Path, address: str | None) -> int:
         return 2
     try:
         serve_until_stopped(cfg, address)
-    except ValueError as exc:  # no API tokens, a bad tokens document
+    except (ValueError, ConnectionError) as exc:  # no API tokens, a bad tokens document, no Ray at --address
         print(f"interlace serve: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -55,6 +55,7 @@ from interlace.cluster.collector import start_collector
 from interlace.cluster.config import ClusterConfig
 from interlace.cluster.engine import refuse_graph_settings
 from interlace.cluster.placement import check_fits_the_cluster, check_replicas_fit, is_spread, replica_bundles
+from interlace.cluster.ray_init import init_ray
 from interlace.cluster.replica import replica_actor
 from interlace.cluster.shards import joined_invokes, plan_shards
 from interlace.core import sigterm
@@ -114,8 +115,7 @@ class Cluster:
         # SystemExit, status 143) where Ctrl-C raises KeyboardInterrupt, so `with` blocks and
         # close() run while Ray still stands; unless the program installed a handler of its own.
         if self._started_ray:
-            with sigterm.kept_across_ray_init(take=True):
-                ray.init(address=address or "local", include_dashboard=False, **(ray_init or {}))
+            init_ray(address or "local", take_sigterm=True, **(ray_init or {}))
         else:
             sigterm.take_over()
         self.name = f"interlace-{uuid.uuid4().hex[:8]}"

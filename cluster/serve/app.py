@@ -31,6 +31,7 @@ from ray.serve import Application
 
 from interlace.cluster.config import ServeConfig
 from interlace.cluster.placement import check_fits_the_cluster, host_actor_options, is_spread, replica_bundles
+from interlace.cluster.ray_init import init_ray
 from interlace.cluster.replica import Replica, compact_outcome
 from interlace.cluster.serve.auth import Tokens
 from interlace.cluster.serve.ingress import Ingress, api
@@ -213,9 +214,8 @@ def start(cfg: ServeConfig, address: str | None = None, name: str = "interlace")
     import ray
 
     if not ray.is_initialized():
-        with sigterm.kept_across_ray_init():  # `interlace serve` stops on SIGTERM as on Ctrl-C
-            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
-                     log_to_driver=False)
+        # `interlace serve` stops on SIGTERM as on Ctrl-C (init_ray keeps its handler)
+        init_ray(address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
     check_fits_the_cluster(cfg.cluster)  # before Serve waits forever for nodes this Ray will never have
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(cfg), name=name, route_prefix=cfg.route_prefix, blocking=False)

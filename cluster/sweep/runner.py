@@ -51,6 +51,7 @@ from interlace.cluster.assembly import check_sampling
 from interlace.cluster.config import SweepConfig, SweepIntervention
 from interlace.cluster.placement import (check_fits_a_node, check_fits_the_cluster, host_actor_options, is_spread,
                                          replica_bundle, replica_bundles)
+from interlace.cluster.ray_init import init_ray
 from interlace.cluster.sweep.prompts import first_line, read_prompts
 from interlace.cluster.sweep.shard_writer import (
     SHARED_META,
@@ -107,9 +108,8 @@ def _run_claimed(cfg: SweepConfig, out: SweepStore, base_dir: str | Path | None,
     started_ray = not ray.is_initialized()
     if started_ray:
         # Never another process's Ray by accident: a running cluster only when asked (ray job submit sets RAY_ADDRESS).
-        with sigterm.kept_across_ray_init():  # `interlace sweep` stops on SIGTERM as on Ctrl-C
-            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
-                     log_to_driver=False)
+        # `interlace sweep` stops on SIGTERM as on Ctrl-C (init_ray keeps its handler)
+        init_ray(address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
     try:
         with _data_context(enable_progress_bars=False):
             rows = read_prompts(cfg.input)

@@ -1,0 +1,52 @@
+"""An address where no Ray cluster answers (a typo in ``--address``, a head node that is down):
+``interlace sweep``, ``interlace serve`` and ``interlace.Cluster`` say so at once. Ray retried the
+GCS for minutes, printing warnings, and the command looked hung.
+
+Each in a process of its own, which has no Ray yet (the check is made where interlace joins Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def a_port_nobody_listens_on() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: connecting to it is refused
+
+
+def test_an_address_where_no_ray_answers_is_refused_at_once(tmp_path):
+    address = f"127.0.0.1:{a_port_nobody_listens_on()}"
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n")
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"cluster": "tiny-llama-2", "input": {"paths": ["prompts.jsonl"]},
+                                     "intervention": {"ops": [{"op": "save", "point": "logits"}]}, "output": "out"}))
+    tokens = json.dumps({"tokens": [{"name": "a", "token": "t" * 24, "role": "ops"}]})
+    commands = {
+        "sweep": [sys.executable, "-m", "interlace", "sweep", str(sweep), "--address", address],
+        "serve": [sys.executable, "-m", "interlace", "serve", str(ROOT / "configs/serve/tiny-llama.yaml"), "--address", address],
+        "Cluster": [sys.executable, "-c", f"import interlace; interlace.Cluster('tiny-llama-2', address={address!r})"],
+    }
+    for name, command in commands.items():
+        started = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env={**os.environ, "INTERLACE_API_TOKENS": tokens})
+        took = time.monotonic() - started
+        said = f"no Ray cluster answers at {address} ("
+        assert said in done.stderr and "ray start --head" in done.stderr, (name, done.stderr[-2000:])
+        assert took < 60, (name, took)  # Ray's own retries took minutes
+        if name != "Cluster":  # the commands: one line and status 2, no traceback
+            assert done.returncode == 2 and "Traceback" not in done.stderr, (name, done.returncode, done.stderr[-2000:])
+        else:
+            assert "ConnectionError" in done.stderr
