@@ -217,7 +217,15 @@ def start(cfg: ServeConfig, address: str | None = None, name: str = "interlace")
         # `interlace serve` stops on SIGTERM as on Ctrl-C (init_ray keeps its handler)
         init_ray(address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
     check_fits_the_cluster(cfg.cluster)  # before Serve waits forever for nodes this Ray will never have
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    try:
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    except Exception as exc:  # Ray's task error around the proxy's: a traceback, status 1, from the command
+        if "Failed to bind" not in str(exc):
+            raise
+        with contextlib.suppress(Exception):
+            serve.shutdown()  # the controller it started, on a cluster this process may only have joined
+        raise ValueError(f"Serve's HTTP proxy cannot listen on {cfg.host}:{cfg.port}: another process holds the "
+                         "port (a running interlace serve?); stop it, or set port: in the config") from None
     serve.run(build_app(cfg), name=name, route_prefix=cfg.route_prefix, blocking=False)
     url = f"http://{'127.0.0.1' if cfg.host in ('0.0.0.0', '::') else cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
     wait_ready(url)

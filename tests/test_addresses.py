@@ -1,6 +1,6 @@
-"""An address where no Ray cluster answers (a typo in ``--address``, a head node that is down):
-``interlace sweep``, ``interlace serve`` and ``interlace.Cluster`` say so at once. Ray retried the
-GCS for minutes, printing warnings, and the command looked hung.
+"""Addresses interlace cannot use, each said at once with what to do: a Ray address where no
+cluster answers (a typo in ``--address``, a head node that is down), for ``interlace sweep``,
+``interlace serve`` and ``interlace.Cluster``; and a port the endpoint cannot listen on.
 
 Each in a process of its own, which has no Ray yet (the check is made where interlace joins Ray).
 """
@@ -50,3 +50,19 @@ def test_an_address_where_no_ray_answers_is_refused_at_once(tmp_path):
             assert done.returncode == 2 and "Traceback" not in done.stderr, (name, done.returncode, done.stderr[-2000:])
         else:
             assert "ConnectionError" in done.stderr
+
+
+def test_a_port_another_process_holds_is_refused_with_one_line(tmp_path):
+    """Serve's proxy failed to bind and `interlace serve` ended with Ray's traceback (status 1)."""
+    config = yaml.safe_load((ROOT / "configs/serve/tiny-llama.yaml").read_text())
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        config.update(host="127.0.0.1", port=holder.getsockname()[1])
+        (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
+        tokens = json.dumps({"tokens": [{"name": "a", "token": "t" * 24, "role": "ops"}]})
+        done = subprocess.run([sys.executable, "-m", "interlace", "serve", str(tmp_path / "serve.yaml")], capture_output=True,
+                              text=True, timeout=180, cwd=tmp_path, env={**os.environ, "INTERLACE_API_TOKENS": tokens})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-3000:])
+    assert f"interlace serve: Serve's HTTP proxy cannot listen on 127.0.0.1:{config['port']}: another process holds" \
+        in done.stderr, done.stderr[-3000:]
