@@ -188,3 +188,13 @@ def test_the_same_sweep_started_again_while_it_runs_is_refused_and_the_first_fin
     assert json.loads(manifest.read_text())["status"] == "complete"  # the refused run wrote nothing
     assert sorted(interlace.open_sweep(tmp_path / "out").to_pandas()["prompt_id"]) == list(range(6))
     run_sweep(config, echo=lambda *_: None)  # the lock went with the first run: a rerun resumes (nothing to do)
+
+
+def test_more_replicas_than_a_local_ray_holds_are_refused_with_the_arithmetic(local_ray, tmp_path):
+    """The actor pool waited for every replica (up to 15 minutes), printing nothing."""
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    config = SweepConfig.load(write_config(tmp_path, "many", cluster={"model": "tiny-llama", "replicas": 2},
+                                           input={"paths": ["prompts.jsonl"]}, output="out", intervention=OPS))
+    with pytest.raises(ValueError, match=r"2 replicas of 'tiny-llama' need \{CPU: 1\} each on one node, .* hold 1 "
+                                         r"such replica\(s\)\. Lower `replicas`"):
+        run_sweep(config)

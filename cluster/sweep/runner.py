@@ -49,8 +49,8 @@ from typing import Any, Callable
 
 from interlace.cluster.assembly import check_sampling
 from interlace.cluster.config import SweepConfig, SweepIntervention
-from interlace.cluster.placement import (check_fits_a_node, check_fits_the_cluster, host_actor_options, is_spread,
-                                         replica_bundle, replica_bundles)
+from interlace.cluster.placement import (check_fits_a_node, check_fits_the_cluster, check_replicas_fit, host_actor_options,
+                                         is_spread, replica_bundle, replica_bundles)
 from interlace.cluster.ray_init import init_ray
 from interlace.cluster.sweep.prompts import first_line, read_prompts
 from interlace.cluster.sweep.shard_writer import (
@@ -294,6 +294,8 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     names = f"interlace-sweep-{os.urandom(6).hex()}"  # this stream's pool actors: {names}-0, -1, ...
     if groups is None:
         check_fits_a_node(cfg.cluster)  # an actor no node can hold would leave the pool waiting forever
+        if not again:  # the pool waits for all its actors (up to _WAIT_FOR_REPLICAS_S), saying nothing
+            check_replicas_fit(cfg.cluster)
     size = cfg.shard_size
     items = [{"shard": k, "rows": cloudpickle.dumps(rows[k * size:(k + 1) * size])} for k in pending]
     results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
