@@ -352,12 +352,16 @@ class TensorFile(BaseModel):
     name: str = Field(description="The tensor's name in that file.")
 
     def load(self):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(self.file, framework="pt") as f:
-            if self.name not in f.keys():
-                raise ValueError(f"{self.file} has no tensor {self.name!r}; it has {sorted(f.keys())}")
-            return f.get_tensor(self.name)
+        try:
+            with safe_open(self.file, framework="pt") as f:
+                if self.name not in f.keys():
+                    raise ValueError(f"{self.file} has no tensor {self.name!r}; it has {sorted(f.keys())}")
+                return f.get_tensor(self.name)
+        except SafetensorError as exc:  # e.g. a torch.save file: "header too large", naming no file
+            raise ValueError(f"{self.file} is not a .safetensors file ({exc}); write it with "
+                             "safetensors.torch.save_file({name: tensor}, path)") from None
 
 
 class InlineTensor(BaseModel):

@@ -198,3 +198,24 @@ def test_more_replicas_than_a_local_ray_holds_are_refused_with_the_arithmetic(lo
     with pytest.raises(ValueError, match=r"2 replicas of 'tiny-llama' need \{CPU: 1\} each on one node, .* hold 1 "
                                          r"such replica\(s\)\. Lower `replicas`"):
         run_sweep(config)
+
+
+def test_a_program_module_that_fails_to_import_or_a_tensor_file_of_another_kind_is_refused(tmp_path):
+    """Each ended `interlace sweep` with a traceback: the module's SyntaxError or its own error at
+    import, and safetensors' "header too large" (naming no file) for a torch.save file."""
+    import torch
+
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}])
+    (tmp_path / "typo.py").write_text('def f(m)\n    m.save("x", m.layers[1].resid)\n')
+    (tmp_path / "fails.py").write_text("import torch\nSCALE = 1 / 0\n\ndef f(m):\n    pass\n")
+    torch.save({"steer": torch.ones(128)}, tmp_path / "steer.pt")
+    for name, intervention, why in [
+            ("typo", {"program": "typo:f"}, r"'typo:f': importing 'typo' failed: SyntaxError: expected ':' \(typo.py, line 1\)"),
+            ("fails", {"program": "fails:f"}, r"'fails:f': importing 'fails' failed: ZeroDivisionError: division by zero "
+                                              r"\(at fails.py, line 2\)"),
+            ("pt", {"ops": [{"op": "add", "point": "layers.1.resid", "value": {"file": "steer.pt", "name": "steer"}}]},
+             r"steer.pt is not a .safetensors file \(.*header too large\); write it with safetensors.torch.save_file")]:
+        config = SweepConfig.load(write_config(tmp_path, name, input={"paths": ["prompts.jsonl"]}, output=f"out-{name}",
+                                               intervention=intervention))
+        with pytest.raises(ValueError, match=why):
+            run_sweep(config)

@@ -44,6 +44,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -228,6 +229,11 @@ def _import_program(intervention: SweepIntervention, base_dir: str | Path | None
     except ImportError as exc:
         raise ValueError(f"intervention.program {intervention.program!r}: cannot import {module_name!r} ({exc}); "
                          "put the module beside the sweep YAML or on PYTHONPATH") from exc
+    except Exception as exc:  # the module's own code failed (a SyntaxError, an error at import): a traceback before
+        last = traceback.extract_tb(exc.__traceback__)[-1]  # a SyntaxError's own text names its line
+        where = "" if isinstance(exc, SyntaxError) else f" (at {Path(last.filename).name}, line {last.lineno})"
+        raise ValueError(f"intervention.program {intervention.program!r}: importing {module_name!r} failed: "
+                         f"{type(exc).__name__}: {exc}{where}") from exc
     finally:
         for p in extra:
             sys.path.remove(p)
