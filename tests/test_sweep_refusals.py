@@ -1,8 +1,9 @@
 """A sweep that cannot run is refused with one message before any engine starts: its input (a
 JSON lines file pyarrow cannot type, no prompt at all, a path that does not exist), its output
 (one that cannot be made, a folder holding another sweep), its config (not YAML, a program that
-would do nothing, generation settings vLLM cannot take). One local Ray for the module, which each
-sweep joins (as ``ray job submit`` has it do)."""
+would do nothing, generation settings vLLM cannot take); and an output inside an input folder,
+whose files are not read as prompts. One local Ray for the module, which each sweep joins (as
+``ray job submit`` has it do)."""
 
 from __future__ import annotations
 
@@ -219,3 +220,19 @@ def test_a_program_module_that_fails_to_import_or_a_tensor_file_of_another_kind_
                                                intervention=intervention))
         with pytest.raises(ValueError, match=why):
             run_sweep(config)
+
+
+def test_an_output_inside_an_input_folder_is_not_read_as_input(local_ray, tmp_path):
+    """A rerun read the first run's files in ``data/out`` as prompts and was refused as a sweep of
+    changed input ("holds 3 finished shards made from other prompts")."""
+    from interlace.cluster.config import SweepInput
+    from interlace.cluster.sweep.prompts import read_prompts
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(3)])
+    (data / "out").mkdir()  # what a first run into data/out leaves there
+    write_jsonl(data / "out" / "shard-00000.json", [{"shard": 0, "prompts": 3}])
+    (data / "out" / "manifest.json").write_text(json.dumps({"identity": "x", "shards": {}}))
+    rows = read_prompts(SweepInput(paths=[str(data)], format="json"), data / "out")
+    assert [r.prompt for r in rows] == ["p0", "p1", "p2"] and not any(r.problem for r in rows)

@@ -26,8 +26,10 @@ def first_line(exc: BaseException) -> str:
 
 
 
-def read_prompts(cfg: SweepInput) -> list[PromptRow]:
-    """Every prompt of the sweep in prompt id order, each checked (malformed rows keep their error)."""
+def read_prompts(cfg: SweepInput, output: Path | None = None) -> list[PromptRow]:
+    """Every prompt of the sweep in prompt id order, each checked (malformed rows keep their error).
+    ``output``: the sweep's local output folder, whose files are never read as prompts (an output
+    inside an input folder: a rerun read the first run's files and was refused as changed input)."""
     import pyarrow as pa
     import ray.data
 
@@ -39,7 +41,7 @@ def read_prompts(cfg: SweepInput) -> list[PromptRow]:
         context = ray.data.DataContext.get_current()
         before = context.execution_options.preserve_order
         context.execution_options.preserve_order = True  # row order is what fixes prompt ids
-        files = _expand(cfg.paths)
+        files = _expand(cfg.paths, output)
         if not files:
             raise ValueError(f"the input {cfg.paths} holds no files; list files or folders of prompts")
         try:
@@ -96,13 +98,16 @@ def read_hf_dataset(path: str):
     return pa.concat_tables(tables)
 
 
-def _expand(paths: list[str]) -> list[str]:
-    """Local folders become their files, sorted (so the row order is the same on every run)."""
+def _expand(paths: list[str], output: Path | None = None) -> list[str]:
+    """Local folders become their files, sorted (so the row order is the same on every run), but
+    those in ``output``."""
     files = []
+    skip = output.resolve() if output is not None else None
     for path in paths:
         p = Path(path)
         if "://" not in path and p.is_dir():
-            files += sorted(str(f) for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_")))
+            files += sorted(str(f) for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_"))
+                            and not (skip is not None and f.resolve().is_relative_to(skip)))
         elif "://" not in path and not p.exists():
             raise FileNotFoundError(f"input path {path} does not exist; list files or folders of prompts")
         else:

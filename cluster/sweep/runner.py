@@ -113,7 +113,7 @@ def _run_claimed(cfg: SweepConfig, out: SweepStore, base_dir: str | Path | None,
         init_ray(address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
     try:
         with _data_context(enable_progress_bars=False):
-            rows = read_prompts(cfg.input)
+            rows = read_prompts(cfg.input, out.local)
         shards = -(-len(rows) // cfg.shard_size)
         done = committed_shards(out, shards)
         sources = _sources(program, ops, rows)
