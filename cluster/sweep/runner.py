@@ -315,9 +315,9 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
         ray_remote_args_fn=_slot_args(cfg, groups, names), **_actor_resources(cfg, spread=groups is not None))
     failures = sum(rec["failures"] for rec in manifest["shards"].values())
     # A generator (closed below), without prefetching: Ray Data stops its prefetch thread only when
-    # an iteration runs to its end, and that thread's ray.wait after ray.shutdown (a stopped sweep)
-    # ends the whole process in Ray's core worker before `interlace sweep` has said why it stopped.
-    # The records are a few hundred bytes: prefetching them gains nothing.
+    # an iteration runs to its end, and a ray.wait of that thread after ray.shutdown (a stopped
+    # sweep) would end the process in Ray's core worker, as a collected object ref does (see
+    # run_sweep's gc.collect). The records are a few hundred bytes: prefetching them gains nothing.
     batches = iter(results.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0))
     records = (json.loads(text) for batch in batches for text in batch["record"])
     last_write = 0.0
