@@ -18,12 +18,14 @@ which every node of the cluster must have.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
 import struct
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -89,6 +91,11 @@ class SweepStore:
                 holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process"
                 raise ValueError(f"{self.output} is being written by another interlace sweep ({holder}); let it end or "
                                  "stop it, then run this command again to resume") from None
+            except OSError as exc:  # a file system without locks (NFS mounted nolock): run, unchecked
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    raise
+                warnings.warn(f"{self.output}: its file system takes no locks ({exc}); a second sweep started into "
+                              "it while this one runs would not be refused", stacklevel=3)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
                       .encode(), 0)
