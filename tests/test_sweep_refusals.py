@@ -1,8 +1,8 @@
 """A sweep that cannot run is refused with one message before any engine starts: its input (a
 JSON lines file pyarrow cannot type, no prompt at all, a path that does not exist), its output
 (one that cannot be made, a folder holding another sweep), its config (not YAML, a program that
-would do nothing, generation settings vLLM cannot take); and an output inside an input folder,
-whose files are not read as prompts. One local Ray for the module, which each sweep joins (as
+would do nothing, generation settings vLLM cannot take); an output inside an input folder,
+whose files are not read as prompts; and what a failed sweep's status names. One local Ray for the module, which each sweep joins (as
 ``ray job submit`` has it do)."""
 
 from __future__ import annotations
@@ -236,3 +236,21 @@ def test_an_output_inside_an_input_folder_is_not_read_as_input(local_ray, tmp_pa
     (data / "out" / "manifest.json").write_text(json.dumps({"identity": "x", "shards": {}}))
     rows = read_prompts(SweepInput(paths=[str(data)], format="json"), data / "out")
     assert [r.prompt for r in rows] == ["p0", "p1", "p2"] and not any(r.problem for r in rows)
+
+
+def test_a_failed_sweeps_status_names_the_error_inside_ray_datas_wrapper(local_ray):
+    """A failed sweep's status read "UserCodeException: UDF failed to process a data block.": Ray
+    Data passes the runner's own error on only as the remote traceback's text."""
+    import ray.data
+
+    from interlace.cluster.sweep.prompts import first_line
+
+    class FailingRunner:  # a UDF that fails as a shard runner's bug would (local: pickled by value)
+        def __call__(self, batch):
+            raise KeyError("a field the runner expected")
+
+    with pytest.raises(Exception) as failed:
+        list(ray.data.from_items([{"a": 1}]).map_batches(
+            FailingRunner, batch_size=1, compute=ray.data.ActorPoolStrategy(size=1)).iter_rows())
+    assert type(failed.value.cause).__name__ == "UserCodeException"  # Ray Data's wrapper, as a sweep meets it
+    assert first_line(failed.value) == "KeyError: 'a field the runner expected'"

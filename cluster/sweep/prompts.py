@@ -13,14 +13,24 @@ from interlace.cluster.config import SweepInput
 from interlace.cluster.sweep.shard_writer import PromptRow
 
 
+_CAUSE = "\nThe above exception was the direct cause of the following exception:"
+
+
 def first_line(exc: BaseException) -> str:
     """The error a failed sweep's status names: the innermost cause, not the Ray task or Ray
     Data wrapper around it (whose first line names only the actor that raised)."""
+    outer = exc
     while True:
         inner = getattr(exc, "cause", None) or exc.__cause__
         if not isinstance(inner, BaseException) or inner is exc:
             break
         exc = inner
+    if type(exc).__name__ == "UserCodeException":
+        # Ray Data's "UDF failed to process a data block": the shard runner's own error reaches the
+        # driver only as the remote traceback's text, whose first part ends with its line
+        before = [line for line in str(outer).split(_CAUSE)[0].splitlines() if line.strip()]
+        if _CAUSE in str(outer) and before and not before[-1].startswith(" "):
+            return before[-1]
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}"
 
