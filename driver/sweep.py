@@ -130,10 +130,7 @@ class Sweep:
         record says: a file cut short or changed after the sweep (a partial copy, a full disk) failed
         in safetensors or pyarrow with "incomplete metadata, file not fully covered"."""
         file = self.records[shard]["files"][kind]
-        try:
-            size = self.store.size(file["name"])
-        except FileNotFoundError:
-            size = None
+        size = self.store.size(file["name"])
         if size != file["bytes"]:
             found = "is missing" if size is None else f"is {size} bytes, not the {file['bytes']} its record says"
             raise OSError(f"shard {shard}'s {kind} file {file['name']} in {without_secret(str(self.path))} {found}: "

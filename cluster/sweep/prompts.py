@@ -28,9 +28,10 @@ def first_line(exc: BaseException) -> str:
     if type(exc).__name__ == "UserCodeException":
         # Ray Data's "UDF failed to process a data block": the shard runner's own error reaches the
         # driver only as the remote traceback's text, whose first part ends with its line
-        before = [line for line in str(outer).split(_CAUSE)[0].splitlines() if line.strip()]
-        if _CAUSE in str(outer) and before and not before[-1].startswith(" "):
-            return before[-1]
+        remote, marked, _ = str(outer).partition(_CAUSE)
+        last = ([line for line in remote.splitlines() if line.strip()] or [" "])[-1]
+        if marked and not last.startswith(" "):
+            return last
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}"
 

@@ -289,7 +289,7 @@ def committed_record(store: SweepStore, shard: int, sizes: dict[str, int] | None
 def _size_or_none(store: SweepStore, name: str) -> int | None:
     try:
         return store.size(name)
-    except OSError:
+    except OSError:  # unreadable counts as uncommitted: the shard runs again, and its record commits it
         return None
 
 

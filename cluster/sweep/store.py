@@ -161,10 +161,14 @@ class SweepStore:
         with self.fs.open_input_stream(self._path(name)) as f:
             return f.read()
 
-    def size(self, name: str) -> int:
+    def size(self, name: str) -> int | None:
+        """The file's bytes, or None when it does not exist."""
         if self.local is not None:
-            return (self.local / name).stat().st_size
-        return self.fs.get_file_info(self._path(name)).size
+            try:
+                return (self.local / name).stat().st_size
+            except FileNotFoundError:
+                return None
+        return self.fs.get_file_info(self._path(name)).size  # None for a missing object
 
     def sizes(self) -> dict[str, int]:
         """{name: bytes} of every file directly in the output (one listing on an object store)."""
