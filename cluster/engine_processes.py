@@ -28,6 +28,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+from multiprocessing import spawn
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any, Callable
 
@@ -54,12 +55,42 @@ def _run_in_callers_environment(env: dict[str, str], target: Callable, args: tup
 
 
 class _CallersEnvironment(ForkServerProcess):
-    """A fork-server process that runs its target in the environment its caller had at ``start()``."""
+    """A fork-server process that runs its target in the environment its caller had at ``start()``,
+    without importing the caller's main module (:func:`_preparation_data`)."""
 
     def start(self) -> None:
         self._args = (dict(os.environ), self._target, self._args, self._kwargs)
         self._target, self._kwargs = _run_in_callers_environment, {}
-        super().start()
+        _starting.core = True
+        try:
+            super().start()
+        finally:
+            _starting.core = False
+
+
+_starting = threading.local()  # this thread is starting an engine core (_CallersEnvironment.start)
+_spawn_preparation_data = spawn.get_preparation_data
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data for a new process, less the caller's main module for an
+    engine core.
+
+    A spawned or fork-server child runs the caller's main script again (as ``__mp_main__``) before
+    it unpickles its target, so that objects defined there can be found. A script that starts an
+    engine at its top level, as README's first example does, then started another engine inside the
+    engine core's bootstrap, and failed with multiprocessing's "An attempt has been made to start a
+    new process before the current process has finished its bootstrapping phase" and vLLM's "Engine
+    core initialization failed": the script had to be guarded by ``if __name__ == "__main__":``,
+    which no GPU user of vLLM (forked engines) or of a notebook needs. An engine core needs nothing
+    of the caller's script: its target and arguments are vLLM's, and programs travel by value
+    (cloudpickle). Other processes the caller starts are prepared as multiprocessing prepares them:
+    the thread-local flag is set only inside an engine core's ``start()``."""
+    data = _spawn_preparation_data(name)
+    if getattr(_starting, "core", False):
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+    return data
 
 
 class _Context(ForkServerContext):
@@ -70,6 +101,8 @@ def _server_context() -> _Context:
     global _context
     with _lock:
         if _context is None:
+            # multiprocessing's popen modules look it up in spawn at each start
+            spawn.get_preparation_data = _preparation_data
             _context = _Context()
             _context.set_forkserver_preload(PRELOAD)
         return _context

@@ -78,7 +78,10 @@ class Model:
         self.engine_overrides = overrides
         self._engine = None
         self._tree: ModuleTree | None = None
+        # One thread at a time talks to the engine (a trace's generate(), an RPC): vllm.LLM is not
+        # thread-safe, and two threads on its socket ended the process in a ZMQ assertion.
         self._lock = threading.Lock()
+        self._starting = threading.Lock()
         self._sink_root = Path(tempfile.mkdtemp(prefix="interlace-", dir=interlace_settings.fast_tmp_dir()))
         # Reports live in memory-backed /dev/shm: remove them even if close() is never called.
         weakref.finalize(self, shutil.rmtree, str(self._sink_root), True)
@@ -88,9 +91,15 @@ class Model:
     @property
     def engine(self):
         """The underlying ``vllm.LLM`` (started on first access)."""
-        if self._engine is None:
-            self._engine = start_engine(self.config, **self.engine_overrides)
-        return self._engine
+        engine = self._engine
+        if engine is None:
+            # one engine for traces that several threads start at once: each started its own, and
+            # all but the last one's traces failed as if the model had been closed under them
+            with self._starting:
+                if self._engine is None:
+                    self._engine = start_engine(self.config, **self.engine_overrides)
+                engine = self._engine
+        return engine
 
     @property
     def tokenizer(self):
@@ -100,7 +109,9 @@ class Model:
     def tree(self) -> ModuleTree:
         """The model's module names, as the workers see them (used to check ops early)."""
         if self._tree is None:
-            self._tree = ModuleTree(names=all_module_names(self.engine.collective_rpc("interlace_module_names")))
+            with self._lock:  # the engine's RPC socket serves one thread at a time (ZMQ aborts the process)
+                if self._tree is None:
+                    self._tree = ModuleTree(names=all_module_names(self.engine.collective_rpc("interlace_module_names")))
         return self._tree
 
     def step_counts(self) -> list[dict[str, Any]]:
@@ -120,7 +131,8 @@ class Model:
             >>> rank["taps"]["steps"]
             2
         """
-        return self.engine.collective_rpc("interlace_step_counts")
+        with self._lock:  # not beside another thread's trace: one RPC socket
+            return self.engine.collective_rpc("interlace_step_counts")
 
     def close(self) -> None:
         """Shut the engine down and remove the report folder."""

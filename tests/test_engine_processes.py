@@ -77,6 +77,49 @@ def test_a_model_closed_while_a_trace_runs_fails_that_trace_rather_than_cut_it_s
         model.close()
 
 
+def _save_resid(m):
+    m.save("h", m.layers[1].resid)
+
+
+def test_traces_from_several_threads_start_one_engine_and_each_get_their_own_results(llama, monkeypatch):
+    """Four threads tracing on a new model at once (its first use starts the engine) started an
+    engine each, and all but the last one's traces failed as if the model had been closed under
+    them; a thread's RPC beside another thread's trace could end the process in a ZMQ assertion."""
+    import interlace.model as model_module
+
+    started = []
+    real_start = model_module.start_engine
+    monkeypatch.setattr(model_module, "start_engine", lambda *a, **k: started.append(1) or real_start(*a, **k))
+    model = interlace.Model("tiny-llama")
+    results, errors = {}, []
+
+    def trace(i: int) -> None:
+        try:
+            with model.trace(max_tokens=4, ignore_eos=True) as tr:
+                tr.invoke(f"Hello number {i}", program=_save_resid)
+            results[i] = tr.result[0]
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trace, args=(i,)) for i in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads):
+            if model._engine is not None:
+                model.step_counts()  # an RPC from this thread beside the traces
+            time.sleep(0.05)
+        assert not errors, errors
+        assert len(started) == 1
+        for i, result in results.items():
+            alone = llama.generate(f"Hello number {i}", program=_save_resid, max_tokens=4, ignore_eos=True)
+            assert result.token_ids == alone.token_ids
+            assert (result.saves["h"] == alone.saves["h"]).all()
+        assert len(results) == 4
+    finally:
+        model.close()
+
+
 SCRIPT = """
 import os, sys, time
 import interlace
@@ -87,8 +130,13 @@ time.sleep(600)
 """
 
 
-def test_an_engine_ends_with_a_script_killed_by_sigkill():
-    """vLLM's engine core does not watch the process that started it (vllm-project/vllm#55510):
+def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is_killed(tmp_path):
+    """A script file that starts a model at its top level, as README's first example does: an
+    engine core's process ran the script again (multiprocessing's preparation of a spawned or
+    fork-server child) and failed to start with "Engine core initialization failed", unless the
+    script was guarded by ``if __name__ == "__main__":`` (engine_processes._preparation_data).
+
+    And vLLM's engine core does not watch the process that started it (vllm-project/vllm#55510):
     a script killed by SIGKILL (the OOM killer, a crash) left its engine core, its workers and
     the fork server they came from running, holding their memory until killed by hand. Each
     ends within seconds of the script now (workers/plugin.py, _end_with_the_owner)."""
@@ -96,7 +144,9 @@ def test_an_engine_ends_with_a_script_killed_by_sigkill():
     import subprocess
     import sys
 
-    script = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    path = tmp_path / "script.py"
+    path.write_text(SCRIPT)
+    script = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     left: list[psutil.Process] = []
     try:
         assert any(line.strip() == "READY" for line in script.stdout)  # (vLLM logs to stdout too)
