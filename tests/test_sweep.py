@@ -428,6 +428,7 @@ def test_ray_job_submit_runs_a_sweep_with_the_token_and_is_refused_without(tmp_p
         done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=500)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         assert "sweep complete: 12 prompts (0 failed)" in done.stdout + done.stderr
+        assert "is deprecated" not in done.stdout + done.stderr  # (Ray Data's, of arguments users never gave)
     finally:
         stop_private_ray(temp)
     sweep = interlace.open_sweep(out)

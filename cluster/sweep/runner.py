@@ -45,6 +45,7 @@ import platform
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -293,7 +294,6 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     """``again``: a stream after a lost replica, which starts with the replicas the cluster can
     hold now (a pool of a fixed size would wait for one on the lost node) and grows back."""
     import cloudpickle
-    import ray.data
 
     bundles = replica_bundles(cfg.cluster)
     groups = _spread_groups(cfg, bundles) if is_spread(bundles) else None
@@ -304,15 +304,12 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
             check_replicas_fit(cfg.cluster)
     size = cfg.shard_size
     items = [{"shard": k, "rows": cloudpickle.dumps(rows[k * size:(k + 1) * size])} for k in pending]
-    results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        ShardRunner, batch_size=1, fn_constructor_kwargs={"plan": plan},
-        # True multi-threading: without it Ray Data runs one call of the UDF at a time per actor, and
-        # the engine idled while each shard's files were written (0.38x plain prefill on an H100).
-        compute=ray.data.ActorPoolStrategy(min_size=1 if again else cfg.cluster.replicas, max_size=cfg.cluster.replicas,
-                                           max_tasks_in_flight_per_actor=cfg.shards_in_flight,
-                                           max_concurrent_calls_per_actor=cfg.shards_in_flight,
-                                           enable_true_multi_threading=True),
-        ray_remote_args_fn=_slot_args(cfg, groups, names), **_actor_resources(cfg, spread=groups is not None))
+    with warnings.catch_warnings():
+        # Ray 2.60 deprecates ray_remote_args_fn and **ray_remote_args (to go in Ray 2.64) with no
+        # other way yet to give each pool actor its own name, slot and placement group; the
+        # warnings named Ray Data's arguments to users of every sweep, who can do nothing about them.
+        warnings.filterwarnings("ignore", message=r"`ray_remote_args(_fn)?` is deprecated")
+        results = _pool(cfg, items, plan, groups, names, again)
     failures = sum(rec["failures"] for rec in manifest["shards"].values())
     # A generator (closed below), without prefetching: Ray Data stops its prefetch thread only when
     # an iteration runs to its end, and a ray.wait of that thread after ray.shutdown (a stopped
@@ -370,6 +367,22 @@ def _stop(out: SweepStore, manifest: dict, why: str) -> None:
     except OSError as exc:  # e.g. the output's disk is full: why the sweep stopped matters more
         why += f" (manifest.json could not record this: {exc})"
     raise SweepStopped(f"sweep stopped: {why}")
+
+
+
+def _pool(cfg: SweepConfig, items: list[dict], plan: bytes, groups: list | None, names: str, again: bool):
+    """The shards mapped by a pool of ShardRunner actors, one replica each (a lazy Dataset)."""
+    import ray.data
+
+    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        ShardRunner, batch_size=1, fn_constructor_kwargs={"plan": plan},
+        # True multi-threading: without it Ray Data runs one call of the UDF at a time per actor, and
+        # the engine idled while each shard's files were written (0.38x plain prefill on an H100).
+        compute=ray.data.ActorPoolStrategy(min_size=1 if again else cfg.cluster.replicas, max_size=cfg.cluster.replicas,
+                                           max_tasks_in_flight_per_actor=cfg.shards_in_flight,
+                                           max_concurrent_calls_per_actor=cfg.shards_in_flight,
+                                           enable_true_multi_threading=True),
+        ray_remote_args_fn=_slot_args(cfg, groups, names), **_actor_resources(cfg, spread=groups is not None))
 
 
 def _slot_args(cfg: SweepConfig, groups: list | None, names: str) -> Callable[[], dict]:
