@@ -129,12 +129,7 @@ def ray_nodes(count: int, ranks: int = 1, audit: bool = False):
     finally:
         ray.shutdown()
         for temp in temps:
-            stop_private_ray(temp)
-        for proc in psutil.process_iter(["cmdline"]):  # the head's Ray client server names no temp folder
-            with contextlib.suppress(psutil.Error):
-                line = " ".join(proc.info["cmdline"] or [])
-                if "--address=" in line and f":{port}" in line and proc.pid != os.getpid():
-                    proc.kill()
+            stop_private_ray(temp, port)
 
 
 @pytest.fixture(scope="module")

@@ -430,7 +430,7 @@ def test_ray_job_submit_runs_a_sweep_with_the_token_and_is_refused_without(tmp_p
         assert "sweep complete: 12 prompts (0 failed)" in done.stdout + done.stderr
         assert "is deprecated" not in done.stdout + done.stderr  # (Ray Data's, of arguments users never gave)
     finally:
-        stop_private_ray(temp)
+        stop_private_ray(temp, gcs)
     sweep = interlace.open_sweep(out)
     assert sweep.status == "complete" and len(sweep) == 12
     assert sweep.to_pandas()["error"].isna().all() and sweep[11].saves["r2"].shape == (2, 128)
@@ -448,13 +448,16 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def stop_private_ray(temp: Path) -> None:
+def stop_private_ray(temp: Path, gcs_port: int | None = None) -> None:
     """Kill the processes of the Ray started with ``--temp-dir temp`` (never ``ray stop``: it stops
-    every Ray on the machine), then remove the folder."""
+    every Ray on the machine), then remove the folder. A head's ``gcs_port`` finds its Ray client
+    server too, which names no temp folder and outlives ``ray start`` (it was left running)."""
     roots = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if proc.pid != os.getpid() and str(temp) in " ".join(proc.info["cmdline"] or []):
+            line = " ".join(proc.info["cmdline"] or [])
+            if proc.pid != os.getpid() and (str(temp) in line or (
+                    gcs_port is not None and "ray.util.client.server" in line and f":{gcs_port} " in line)):
                 roots.append(proc)
         except psutil.Error:
             continue
