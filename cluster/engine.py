@@ -34,7 +34,7 @@ from typing import Any
 
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
-from interlace.cluster.engine_processes import fork_engine_cores
+from interlace.cluster.engine_processes import fork_engine_cores, spawn_engine_cores_without_main
 from interlace.cluster.placement import CPU_RANK
 from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, OWNER_ENV, SPLITTING_OPS, TAPS_KEY
 
@@ -239,6 +239,8 @@ def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
 
     if settings.device() == "cpu":
         fork_engine_cores()  # the engine core comes from a process that imported vLLM already
+    else:
+        spawn_engine_cores_without_main()
     prepare_environment(cfg)
     args = engine_args(cfg, **overrides)
     with load_refusals_raised():
@@ -324,6 +326,8 @@ async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overr
 
     if settings.device() == "cpu":
         fork_engine_cores()  # from the server the replica started as it started (start_fork_server)
+    else:
+        spawn_engine_cores_without_main()  # (a Ray actor's engine core is spawned)
     prepare_environment(cfg)
     # vllm.LLM's batch defaults, as interlace.Model gets them: vLLM sizes max_num_seqs and
     # max_num_batched_tokens by usage context, and an AsyncLLM's own context falls back to the

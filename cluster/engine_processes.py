@@ -19,8 +19,11 @@ child before vLLM's target runs.
 Only the engine core is started this way (``vllm.v1.engine.utils``'s process manager); its
 workers fork from it (``workers/plugin.py``). A cluster replica (one engine per Ray actor) starts
 its server as the actor starts (:func:`start_fork_server`), so that the server's import of vLLM
-overlaps the actor's own. On a GPU nothing changes: engines start in minutes
-there (compilation, graph capture), and this path has not been measured on one.
+overlaps the actor's own. On a GPU engines start in minutes (compilation, graph
+capture) and vLLM's own fork or spawn starts their cores; this path has not been measured there.
+
+Either way an engine core does not import the caller's main module (:func:`_preparation_data`):
+a script needs no ``if __name__ == "__main__":`` guard around the model it starts.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import multiprocessing
 import os
 import threading
 from multiprocessing import spawn
-from multiprocessing.context import ForkServerContext, ForkServerProcess
+from multiprocessing.context import ForkServerContext, ForkServerProcess, SpawnContext, SpawnProcess
 from typing import Any, Callable
 
 # What the fork server imports before it forks anything: vLLM's engine core and its model
@@ -101,11 +104,53 @@ def _server_context() -> _Context:
     global _context
     with _lock:
         if _context is None:
-            # multiprocessing's popen modules look it up in spawn at each start
-            spawn.get_preparation_data = _preparation_data
+            _prepare_without_main()
             _context = _Context()
             _context.set_forkserver_preload(PRELOAD)
         return _context
+
+
+def _prepare_without_main() -> None:
+    """multiprocessing's popen modules look the preparation up in ``spawn`` at each start."""
+    spawn.get_preparation_data = _preparation_data
+
+
+class _SpawnedCore(SpawnProcess):
+    """A spawned process that does not import the caller's main module (:func:`_preparation_data`)."""
+
+    def start(self) -> None:
+        _starting.core = True
+        try:
+            super().start()
+        finally:
+            _starting.core = False
+
+
+class _SpawnContext(SpawnContext):
+    Process = _SpawnedCore
+
+
+def engine_core_context() -> multiprocessing.context.BaseContext:
+    """The context vLLM picks for an engine core (fork, or spawn where CUDA is initialized already
+    or in a Ray actor), except that a spawned core does not import the caller's main module: a
+    GPU script that made a CUDA tensor before its model (a steering vector) is spawned, and failed
+    as an unguarded script on a CPU did (:func:`_preparation_data`)."""
+    from vllm.utils.system_utils import get_mp_context
+
+    context = get_mp_context()
+    if context.get_start_method() != "spawn":
+        return context
+    with _lock:
+        _prepare_without_main()
+    return _SpawnContext()
+
+
+def spawn_engine_cores_without_main() -> None:
+    """From now on, an engine started in this process on a GPU gets its core from
+    :func:`engine_core_context` (vLLM looks the context up as the process starts)."""
+    from vllm.v1.engine import utils as engine_utils
+
+    engine_utils.get_mp_context = engine_core_context
 
 
 def fork_server() -> multiprocessing.context.BaseContext:

@@ -182,3 +182,32 @@ def test_cores_the_process_cannot_use_are_refused_before_the_engine_starts(monke
     monkeypatch.setenv("INTERLACE_CPU_CORES", str(usable[0]))
     prepare_environment(ModelConfig.load("tiny-llama"))
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(usable[0])
+
+
+SPAWNING_SCRIPT = """
+import os, sys
+from interlace.cluster.engine_processes import engine_core_context
+with open(sys.argv[1], "a") as record:  # at the top level: once, unless a child runs the script again
+    record.write("ran\\n")
+context = engine_core_context()
+core = context.Process(target=os.getpid)
+core.start()
+core.join()
+print("EXIT", context.get_start_method(), core.exitcode)
+"""
+
+
+def test_a_spawned_engine_core_does_not_run_the_callers_script_again(tmp_path):
+    """Where vLLM spawns an engine core (a GPU process whose CUDA is initialized already, e.g. by a
+    steering vector made on the device; a Ray actor), the child ran the caller's unguarded script
+    again and its nested start failed, as on a CPU (the first test here). vLLM's own choice of
+    spawn is set through its environment variable, as vLLM sets it."""
+    import subprocess
+    import sys
+
+    path, record = tmp_path / "script.py", tmp_path / "record"
+    path.write_text(SPAWNING_SCRIPT)
+    done = subprocess.run([sys.executable, str(path), str(record)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    assert "EXIT spawn 0" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert record.read_text() == "ran\n"
