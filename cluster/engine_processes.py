@@ -28,6 +28,7 @@ a script needs no ``if __name__ == "__main__":`` guard around the model it start
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -64,14 +65,21 @@ class _CallersEnvironment(ForkServerProcess):
     def start(self) -> None:
         self._args = (dict(os.environ), self._target, self._args, self._kwargs)
         self._target, self._kwargs = _run_in_callers_environment, {}
-        _starting.core = True
-        try:
+        with _an_engine_core():
             super().start()
-        finally:
-            _starting.core = False
 
 
-_starting = threading.local()  # this thread is starting an engine core (_CallersEnvironment.start)
+_starting = threading.local()  # this thread is starting an engine core (_an_engine_core)
+
+
+@contextlib.contextmanager
+def _an_engine_core():
+    """The process this thread starts in the block is an engine core (:func:`_preparation_data`)."""
+    _starting.core = True
+    try:
+        yield
+    finally:
+        _starting.core = False
 _spawn_preparation_data = spawn.get_preparation_data
 
 
@@ -119,11 +127,8 @@ class _SpawnedCore(SpawnProcess):
     """A spawned process that does not import the caller's main module (:func:`_preparation_data`)."""
 
     def start(self) -> None:
-        _starting.core = True
-        try:
+        with _an_engine_core():
             super().start()
-        finally:
-            _starting.core = False
 
 
 class _SpawnContext(SpawnContext):
