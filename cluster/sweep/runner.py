@@ -294,6 +294,7 @@ def _stream(cfg: SweepConfig, plan: bytes, rows: list[PromptRow], pending: list[
     """``again``: a stream after a lost replica, which starts with the replicas the cluster can
     hold now (a pool of a fixed size would wait for one on the lost node) and grows back."""
     import cloudpickle
+    import ray
 
     bundles = replica_bundles(cfg.cluster)
     groups = _spread_groups(cfg, bundles) if is_spread(bundles) else None
