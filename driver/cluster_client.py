@@ -61,7 +61,7 @@ from interlace.cluster.shards import joined_invokes, plan_shards
 from interlace.core import sigterm
 from interlace.core.trace import ProgramEndedEngine, TraceResult, WorkerDied, check_trace, encode_payloads, new_trace_id
 from interlace.core.wire import Completion, EngineDeath, InvokePayload, SavesOnNode, SavesRef, ShardTask
-from interlace.model import Model, Trace
+from interlace.model import Model, Trace, submitted
 from interlace.remote import Remote
 from interlace.workers.points import ModuleTree
 from interlace.workers.sink import discard, read_new_reports
@@ -203,7 +203,7 @@ class Cluster:
         ``max_queued`` traces are held."""
         if self._closed:
             raise RuntimeError("this cluster is closed; make a new interlace.Cluster(...)")
-        check_trace(trace.invokes, trace.settings, self.tree)  # the very checks Model makes
+        check_trace(submitted(trace).invokes, trace.settings, self.tree)  # the very checks Model makes
         # What runs is the trace as submitted: an invoke added to it afterwards (building the next
         # trace from it) belongs to that one; read while this one ran, it failed it with an IndexError.
         trace = copy.copy(trace)

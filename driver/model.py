@@ -284,6 +284,15 @@ class Model:
         return reports
 
 
+def submitted(trace: object) -> "Trace":
+    """``trace`` if it is one: ``submit("a prompt")`` failed with "'str' object has no attribute
+    'invokes'"."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"submit() takes a trace (tr = cluster.trace(...); tr.invoke(prompt, ...)), got "
+                        f"{type(trace).__name__} {trace!r:.80}")
+    return trace
+
+
 class Trace:
     """A trace being built: ``with model.trace(...) as tr: tr.invoke(...)``; then ``tr.result``.
 

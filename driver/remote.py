@@ -36,7 +36,7 @@ from interlace.cluster.serve.http_api import (
 )
 from interlace.core.settings import trace_timeout_s
 from interlace.core.trace import InterventionError, TraceResult, WorkerDied, check_trace, dumps, programs_by_value
-from interlace.model import DEFAULT_MAX_SAVE_BYTES, Model, Trace
+from interlace.model import DEFAULT_MAX_SAVE_BYTES, Model, Trace, submitted
 from interlace.workers.points import ModuleTree
 
 
@@ -114,7 +114,7 @@ class Remote:
 
     def submit(self, trace: Trace) -> concurrent.futures.Future:
         """Run ``trace`` (built outside a ``with`` block) in the background: a future of its result."""
-        body = self.encode(trace)  # errors in the trace raise here, not in the future
+        body = self.encode(submitted(trace))  # errors in the trace raise here, not in the future
         return self._pool.submit(self._send, trace, body)
 
     def stream(self, trace: Trace) -> Iterator[dict[str, Any]]:

@@ -254,6 +254,8 @@ def test_the_cluster_refuses_what_a_model_refuses_before_sending(cluster, llama)
             tr.run()
         with pytest.raises(ValueError, match="no invokes"):
             target._run(target.trace())
+    with pytest.raises(TypeError, match=r"submit\(\) takes a trace .* got str 'Hello'"):  # (an AttributeError)
+        cluster.submit("Hello")
     assert ray.get(cluster.collector.stats.remote())["accepted"] == accepted
     with pytest.raises(ValueError, match="enforce_eager=False"):  # before any replica starts
         interlace.Cluster(cluster.config, enforce_eager=False)

@@ -432,6 +432,13 @@ def test_a_killed_state_actor_is_started_again_and_the_endpoint_keeps_serving(en
     assert after[("interlace_interventions_total", (("outcome", "ok"),))] == 1
 
 
+def test_the_client_refuses_to_submit_what_is_not_a_trace(analyst):
+    tr = analyst.trace(max_tokens=2)
+    tr.invoke("Hello")
+    with pytest.raises(TypeError, match=r"submit\(\) takes a trace .* got Invoke"):  # (an AttributeError)
+        analyst.submit(tr.invokes[0])
+
+
 def test_a_killed_engine_is_replaced_its_trace_delivered_once_and_its_stream_sends_each_token_once(
         endpoint, analyst, llama):
     """One kill of the engine core, by pid, with a trace and a stream in flight on it (one restart
