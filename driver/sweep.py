@@ -58,14 +58,20 @@ class Sweep:
     """A finished (or partial) sweep; see the module docstring."""
 
     def __init__(self, path: str | Path):
+        if not isinstance(path, (str, Path)):
+            raise TypeError(f"open_sweep takes a folder or a URL (str or Path), not {type(path).__name__}")
         self.store = SweepStore(path)
         self.path = self.store.local if self.store.local is not None else self.store.output
         manifest = self.store.read_bytes("manifest.json")
         if manifest is None:
             raise FileNotFoundError(f"{self.path} has no manifest.json; is it a sweep's output folder?")
-        self.manifest: dict = json.loads(manifest)
-        self.records = {int(k): r for k, r in self.manifest["shards"].items()}
-        self.shard_size: int = self.manifest["config"]["shard_size"]
+        try:
+            self.manifest: dict = json.loads(manifest)
+            self.records = {int(k): r for k, r in self.manifest["shards"].items()}
+            self.shard_size: int = self.manifest["config"]["shard_size"]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # (JSONDecodeError is a ValueError)
+            raise ValueError(f"{self.path}/manifest.json is not a sweep's manifest ({type(exc).__name__}: {exc}); "
+                             "interlace sweep writes it as the sweep runs") from None
         self._files: dict[int, Any] = {}  # shard -> its open safetensors file (memory-mapped)
         self._indexes: dict[int, Any] = {}  # shard -> its index table
 

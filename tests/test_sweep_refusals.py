@@ -2,7 +2,7 @@
 JSON lines file pyarrow cannot type, no prompt at all, a path that does not exist), its output
 (one that cannot be made, a folder holding another sweep), its config (not YAML, a program that
 would do nothing, generation settings vLLM cannot take); an output inside an input folder,
-whose files are not read as prompts; and what a failed sweep's status names. One local Ray for the module, which each sweep joins (as
+whose files are not read as prompts; what a failed sweep's status names; and a folder `open_sweep` cannot read as a sweep. One local Ray for the module, which each sweep joins (as
 ``ray job submit`` has it do)."""
 
 from __future__ import annotations
@@ -220,6 +220,22 @@ def test_a_program_module_that_fails_to_import_or_a_tensor_file_of_another_kind_
                                                intervention=intervention))
         with pytest.raises(ValueError, match=why):
             run_sweep(config)
+
+
+def test_open_sweep_refuses_what_is_not_a_sweep_naming_it(tmp_path):
+    """A manifest that is not JSON failed with json's bare "Expecting property name" (no file
+    named), and open_sweep(None) with "None has no manifest.json"."""
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "manifest.json").write_text('{"status": "runn')
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text('{"name": "some other tool"}')
+    for folder in ("torn", "other"):
+        with pytest.raises(ValueError, match=rf"{folder}/manifest.json is not a sweep's manifest \(\w+"):
+            interlace.open_sweep(tmp_path / folder)
+    with pytest.raises(FileNotFoundError, match="has no manifest.json; is it a sweep's output folder"):
+        interlace.open_sweep(tmp_path)
+    with pytest.raises(TypeError, match="a folder or a URL .* not NoneType"):
+        interlace.open_sweep(None)
 
 
 def test_an_output_inside_an_input_folder_is_not_read_as_input(local_ray, tmp_path):
