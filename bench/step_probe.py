@@ -794,7 +794,7 @@ def _print_inside(label: str, prof, steps: int) -> None:
 
     stats = pstats.Stats(prof)
     print(f"  inside {label} (cProfile, its overhead included; ms per step, cumulative):")
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:25]
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:int(os.environ.get("PROBE_TOP", "25"))]
     for (path, line, func), (_cc, calls, own, cum, _callers) in rows:
         where = path.split("/site-packages/")[-1].split("/main/")[-1]
         print(f"    {1000 * cum / steps:8.3f} cum {1000 * own / steps:8.3f} own  {calls / steps:6.1f}/step  {where}:{line}({func})")
