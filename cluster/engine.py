@@ -35,6 +35,7 @@ from typing import Any
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine_processes import fork_engine_cores, spawn_engine_cores_without_main
+from interlace.cluster.janitor import remove_on_exit
 from interlace.cluster.placement import CPU_RANK
 from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, OWNER_ENV, SPLITTING_OPS, TAPS_KEY
 
@@ -247,6 +248,7 @@ def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
         llm = LLM(**args)
     llm.collective_rpc("interlace_install", args=(all_module_names(llm.collective_rpc("interlace_module_names")),))
     _wake_waiters_when_the_engine_dies(llm.llm_engine.engine_core)
+    _segments_removed_at_the_end(llm, llm.llm_engine.engine_core)
     return llm
 
 
@@ -351,6 +353,7 @@ async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overr
     engine.interlace_latest_stats = latest  # {"scheduler": SchedulerStats}: KV-cache use for metrics (keep_stats)
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))
+    _segments_removed_at_the_end(engine, engine.engine_core)
     return engine
 
 
@@ -391,12 +394,50 @@ def all_module_names(per_rank: list[list[str]]) -> list[str]:
 
 
 def shutdown_engine(engine) -> None:
-    """Stop an engine started here and reap its processes."""
+    """Stop an engine started here, reap its processes and remove its shared-memory segments."""
     import gc
 
     if hasattr(engine, "shutdown"):  # AsyncLLM
         engine.shutdown()
     else:  # LLM: its engine core client owns the processes
         engine.llm_engine.engine_core.shutdown()
+    for path in getattr(engine, "interlace_segments", ()):  # those vLLM left (see _segments_removed_at_the_end)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     del engine
     gc.collect()
+
+
+def _segments_removed_at_the_end(engine, client) -> None:
+    """Have the shared-memory files of the engine's processes (its engine core's and its workers')
+    removed when the engine is shut down, and when this process ends however it ends
+    (cluster/janitor.py). vLLM's message queues between its processes (``/dev/shm/psm_*``) are
+    unlinked by their creator or its multiprocessing resource tracker; both die with a Ray actor
+    that Ray kills, and a replica's every such end left them behind (hundreds of MiB each, as the
+    queues fill). On a CPU at TP or PP > 1 vLLM's shared-memory communicator (``*-cpushm_*``)
+    unlinks its segments never. Ranks on other nodes (Ray's executor) are not this node's to clean."""
+    engine.interlace_segments = segments = engine_segments(client)
+    remove_on_exit(*segments)
+
+
+def engine_segments(client) -> list[str]:
+    """The files directly in ``/dev/shm`` that an engine's local processes have mapped: its engine
+    core (from the vLLM client ``client``) and that process's descendants (its workers)."""
+    import psutil
+
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    cores = [p.pid for p in getattr(manager, "processes", ()) if p.pid is not None]
+    pids: list[int] = []
+    for pid in cores:
+        with contextlib.suppress(psutil.Error):
+            pids += [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                # (report files live in folders of their own; a deleted file's name may be another's by now)
+                if os.path.dirname(path) == "/dev/shm" and not path.endswith(" (deleted)"):
+                    found.add(path)
+    return sorted(found)

@@ -1,33 +1,65 @@
-"""Remove a folder once the process that made it is gone, however that process ended.
+"""Remove files and folders once the process that made them is gone, however that process ended.
 
-A replica's report folder lives in memory-backed ``/dev/shm``. When its driver disconnects, Ray
-kills the replica actor outright (no ``atexit``, no ``finally``), so the actor cannot clean up
-after itself. :func:`remove_on_exit` starts a small stdlib-only process that holds the read end
-of a pipe whose write end only the calling process holds: the kernel closes it when the caller
-dies, for any reason, and the janitor then removes the folder. The janitor detaches itself (a
-second fork), so a worker's exit that kills its own children does not take it along.
+A replica's report folder lives in memory-backed ``/dev/shm``, and so do the shared-memory
+segments of every vLLM engine (its processes' message queues; on a CPU at TP or PP > 1 its
+communicator's, which vLLM never unlinks). When a replica's driver disconnects, Ray kills the
+replica actor outright (no ``atexit``, no ``finally``) and the actor's children with it, among
+them the multiprocessing resource tracker that would have unlinked the segments; a script killed
+by SIGKILL runs no ``finally`` either. Each left its files in ``/dev/shm`` at every such end.
+
+:func:`remove_on_exit` hands paths to a small stdlib-only process, one per calling process, that
+holds the read end of a pipe whose write end only the caller holds: the kernel closes it when the
+caller dies, for any reason, and the janitor then removes every path it was given. The janitor
+detaches itself (a second fork), so a worker's exit that kills its own children does not take it
+along. Paths that are gone by then (a model closed on purpose removes its own) are skipped.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+# The first paths come as arguments (they name the janitor in a process listing), later ones as
+# lines on its stdin; at EOF (the caller has ended) it removes them all.
 _JANITOR = """
 import os, shutil, sys
 if os.fork():  # detach: the process it watches kills its own children when it exits
     os._exit(0)
-sys.stdin.buffer.read()  # returns at EOF: the watched process has ended
-shutil.rmtree(sys.argv[1], ignore_errors=True)
+paths = sys.argv[1:]
+for line in sys.stdin.buffer:  # ends at EOF: the watched process has ended
+    paths.append(os.fsdecode(line.rstrip(b"\\n")))
+for path in paths:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 """
 
-_HELD: list = []  # the pipes' write ends: open for as long as this process lives
+_lock = threading.Lock()
+_janitor: tuple[int, object] | None = None  # (the pid it serves, the write end of its pipe)
 
 
-def remove_on_exit(folder: Path) -> None:
-    """Remove ``folder`` when this process ends (a normal exit, a kill, a crash)."""
-    janitor = subprocess.Popen([sys.executable, "-S", "-c", _JANITOR, str(folder)], stdin=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    janitor.wait()  # the first fork returns at once; its child holds the pipe
-    _HELD.append(janitor.stdin)
+def remove_on_exit(*paths: str | Path) -> None:
+    """Remove each of ``paths`` (a folder with what it holds, or a file) when this process ends
+    (a normal exit, a kill, a crash)."""
+    global _janitor
+    if not paths:
+        return
+    with _lock:
+        if _janitor is not None and _janitor[0] == os.getpid():  # (a forked child starts its own)
+            try:
+                _janitor[1].write(b"".join(os.fsencode(str(path)) + b"\n" for path in paths))
+                _janitor[1].flush()
+                return
+            except OSError:  # its janitor was killed: a new one takes these paths
+                pass
+        janitor = subprocess.Popen([sys.executable, "-S", "-c", _JANITOR, *map(str, paths)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        janitor.wait()  # the first fork returns at once; its child holds the pipe
+        _janitor = (os.getpid(), janitor.stdin)  # open for as long as this process lives

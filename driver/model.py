@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 from interlace.cluster.assembly import ReportsMissing, ReportWatcher, assemble, build_requests
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine import all_module_names, refuse_graph_settings, shutdown_engine, start_engine
+from interlace.cluster.janitor import remove_on_exit
 from interlace.core import settings as interlace_settings
 from interlace.core.ops import step_list
 from interlace.core.trace import (
@@ -83,8 +84,10 @@ class Model:
         self._lock = threading.Lock()
         self._starting = threading.Lock()
         self._sink_root = Path(tempfile.mkdtemp(prefix="interlace-", dir=interlace_settings.fast_tmp_dir()))
-        # Reports live in memory-backed /dev/shm: remove them even if close() is never called.
+        # Reports live in memory-backed /dev/shm: remove them even if close() is never called, and
+        # if this process is killed (a SIGKILLed script left its folder behind).
         weakref.finalize(self, shutil.rmtree, str(self._sink_root), True)
+        remove_on_exit(self._sink_root)
 
     # --- engine ------------------------------------------------------------------------------
 

@@ -321,11 +321,10 @@ def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluste
     while cluster.status()["replicas"][victim]["state"] != "alive" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert cluster.status()["replicas"][victim]["state"] == "alive"
-    # The dead engine's segments went with it (the replica's restart spares the resource tracker
-    # that unlinks them: killed too, they stayed in /dev/shm at every restart). The tracker unlinks
-    # them once the last process it serves is gone, which can come after the new replica is up: a
-    # run on a loaded 2-core machine found one still there as the replica came back (2026-12-04),
-    # and both there 10 s later with a step probe running beside the suite (2026-12-06, d8a694c).
+    # The dead engine's segments went with it: the replica's process ended for its restart, and
+    # its janitor unlinked them (cluster/janitor.py). Before, only the multiprocessing resource
+    # tracker did, once the last process it served was gone, which on a loaded 2-core machine came
+    # more than 30 s after the new replica was up (2026-12-04, 2026-12-06).
     deadline = time.monotonic() + 30
     while [path for path in segments if os.path.exists(path)] and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -2,8 +2,9 @@
 
 The test starts a Ray cluster (with the dashboard, for the state API) and runs a driver script in
 a subprocess that joins it, starts a one-replica ``interlace.Cluster``, submits traces and waits.
-The test kills that driver by pid mid-run: its actors, placement groups, engine processes and
-the replica's report folder must all go, and the Ray cluster must get its CPUs back.
+The test kills that driver by pid mid-run: its actors, placement groups, engine processes, the
+replica's report folder and its engine's shared-memory segments must all go, and the Ray cluster
+must get its CPUs back.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ time.sleep(600)
 
 def _sink_folders(name: str) -> list[Path]:
     return [p for root in ("/dev/shm", tempfile.gettempdir()) for p in Path(root).glob(f"interlace-{name}-*")]
+
+
+def _segments(pids: list[int]) -> list[Path]:
+    """The files directly in /dev/shm that these processes have mapped (vLLM's message queues)."""
+    paths = set()
+    for pid in pids:
+        try:
+            paths |= {Path(m.path) for m in psutil.Process(pid).memory_maps() if os.path.dirname(m.path) == "/dev/shm"}
+        except psutil.Error:
+            pass
+    return sorted(paths)
 
 
 def _running(pid: int) -> bool:
@@ -88,6 +100,8 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
         assert running["in_flight"] > 0
         assert _alive(list_actors, ray_cluster) and _alive(list_placement_groups, ray_cluster)  # what the kill must remove
         assert _sink_folders(running["name"])
+        segments = _segments(running["pids"])
+        assert segments
         assert ray.available_resources().get("CPU", 0) < 2
     finally:
         os.kill(driver.pid, signal.SIGKILL)
@@ -95,9 +109,12 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (
             _alive(list_actors, ray_cluster) or _alive(list_placement_groups, ray_cluster) or any(map(_running, running["pids"]))
-            or _sink_folders(running["name"]) or ray.available_resources().get("CPU", 0) < 2):
+            or _sink_folders(running["name"]) or [p for p in segments if p.exists()]
+            or ray.available_resources().get("CPU", 0) < 2):
         time.sleep(0.5)
     assert _alive(list_actors, ray_cluster) == [] and _alive(list_placement_groups, ray_cluster) == []
     assert [pid for pid in running["pids"] if _running(pid)] == []  # replica and engine processes
     assert _sink_folders(running["name"]) == []  # the replica's report folder
+    # Ray kills the actor's children with it, the resource tracker that unlinks them among them
+    assert [p for p in segments if p.exists()] == []
     assert ray.available_resources().get("CPU", 0) == 2

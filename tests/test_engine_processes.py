@@ -7,6 +7,7 @@ import contextlib
 import os
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -144,8 +145,14 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
     import subprocess
     import sys
 
+    import tempfile
+
+    from interlace.core.settings import fast_tmp_dir
+
     path = tmp_path / "script.py"
     path.write_text(SCRIPT)
+    root = Path(fast_tmp_dir() or tempfile.gettempdir())
+    before = set(root.glob("interlace-*"))
     script = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     left: list[psutil.Process] = []
     try:
@@ -153,10 +160,19 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
         left = psutil.Process(script.pid).children(recursive=True)
         names = [p.name() for p in left]
         assert any(n.startswith("VLLM::EngineCor") for n in names)  # (and on a CPU its worker: a GPU's is in it)
+        folders = [f for f in set(root.glob("interlace-*")) - before if f.is_dir()]
+        segments = _segments(left)  # vLLM's message queues between the engine's processes
+        assert folders and segments, (folders, segments)
         os.kill(script.pid, signal.SIGKILL)
         script.wait()
         _gone, alive = psutil.wait_procs(left, timeout=30)
         assert not alive, f"still running 30 s after the script was killed: {[(p.pid, p.name()) for p in alive]}"
+        # its report folder (a weakref finalizer's, which a kill never runs) and the segments,
+        # which the resource tracker unlinks if it outlives the rest (cluster/janitor.py)
+        deadline = time.monotonic() + 10
+        while [p for p in [*folders, *segments] if p.exists()] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in [*folders, *segments] if p.exists()]
     finally:
         script.kill()
         for process in left:  # (what a failure left, for the tests after this one)
@@ -182,6 +198,15 @@ def test_cores_the_process_cannot_use_are_refused_before_the_engine_starts(monke
     monkeypatch.setenv("INTERLACE_CPU_CORES", str(usable[0]))
     prepare_environment(ModelConfig.load("tiny-llama"))
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(usable[0])
+
+
+def _segments(processes: list[psutil.Process]) -> list[Path]:
+    """The files directly in /dev/shm that ``processes`` have mapped."""
+    paths = set()
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            paths |= {Path(m.path) for m in process.memory_maps() if os.path.dirname(m.path) == "/dev/shm"}
+    return sorted(paths)
 
 
 SPAWNING_SCRIPT = """
