@@ -147,6 +147,8 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
 
     import tempfile
 
+    import torch
+
     from interlace.core.settings import fast_tmp_dir
 
     path = tmp_path / "script.py"
@@ -162,7 +164,7 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
         assert any(n.startswith("VLLM::EngineCor") for n in names)  # (and on a CPU its worker: a GPU's is in it)
         folders = [f for f in set(root.glob("interlace-*")) - before if f.is_dir()]
         segments = _segments(left)  # vLLM's message queues between the engine's processes
-        assert folders and segments, (folders, segments)
+        assert folders and (segments or torch.cuda.is_available()), (folders, segments)  # (a GPU at TP=1 has none)
         os.kill(script.pid, signal.SIGKILL)
         script.wait()
         _gone, alive = psutil.wait_procs(left, timeout=30)
