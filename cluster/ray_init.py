@@ -28,9 +28,18 @@ def init_ray(address: str, take_sigterm: bool = False, **ray_init: Any) -> None:
 
 def check_reachable(address: str) -> None:
     """ConnectionError unless something accepts a connection at ``address``'s host and port
-    ("local" and "auto" are Ray's to resolve, and fail fast there)."""
+    ("local" and "auto" are Ray's to resolve, and fail fast there); ValueError for what is no Ray
+    address at all (Ray's own "Invalid address format", or its client's "Module: http does not
+    exist" for an endpoint's URL)."""
+    if address.startswith(("http://", "https://")):
+        raise ValueError(f"{address} is a web address, not a Ray cluster's: an interlace endpoint is reached with "
+                         "interlace.connect(url, token=...); a Ray address is 'auto', 'host:port' or 'ray://host:port'")
     target = address.removeprefix("ray://")
     host, _, port = target.rpartition(":")
+    if address not in ("local", "auto") and "://" not in address and not (host and port.isdigit()):
+        raise ValueError(f"{address!r} is not a Ray address: give 'auto' (the cluster this node is part of), "
+                         "'host:port' (its head's GCS, which `ray status` prints there), 'ray://host:port' (Ray "
+                         "client), or none to start a local Ray")
     if "://" in target or not host or not port.isdigit():
         return
     try:

@@ -1,12 +1,14 @@
 """Addresses interlace cannot use, each said at once with what to do: a Ray address where no
 cluster answers (a typo in ``--address``, a head node that is down), for ``interlace sweep``,
-``interlace serve`` and ``interlace.Cluster``; and a port the endpoint cannot listen on.
+``interlace serve`` and ``interlace.Cluster``; what is no Ray address at all; and a port the
+endpoint cannot listen on.
 
 Each in a process of its own, which has no Ray yet (the check is made where interlace joins Ray).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -66,3 +68,23 @@ def test_a_port_another_process_holds_is_refused_with_one_line(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-3000:])
     assert f"interlace serve: Serve's HTTP proxy cannot listen on 127.0.0.1:{config['port']}: another process holds" \
         in done.stderr, done.stderr[-3000:]
+
+
+def test_what_is_no_ray_address_is_refused_saying_what_one_is():
+    """`interlace.connect("not a url")` failed in ray.init with "Invalid address format: not a url",
+    and an endpoint's URL given to a Cluster (or in RAY_ADDRESS, which `ray job submit` users set to
+    the dashboard's) with "Module: http does not exist"."""
+    import pytest
+    import ray
+
+    import interlace
+    from interlace.cluster.ray_init import check_reachable
+
+    with pytest.raises(ValueError, match=r"'not a url' is not a Ray address: give 'auto' .*'host:port' .*'ray://host:port'"):
+        interlace.connect("not a url")
+    with pytest.raises(ValueError, match=r"http://127.0.0.1:8265 is a web address, not a Ray cluster's: .*interlace.connect"):
+        interlace.Cluster("tiny-llama-2", address="http://127.0.0.1:8265")
+    assert not ray.is_initialized()
+    for fine in ("local", "auto", "ray://head", "[::1]:1"):  # Ray's to resolve, or refused as unreachable
+        with contextlib.suppress(ConnectionError):
+            check_reachable(fine)
