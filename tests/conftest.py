@@ -6,8 +6,10 @@ Engines take 20-70 s to start on CPU, so every test shares the few engines below
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +59,20 @@ def _model(name: str, **overrides) -> interlace.Model:
     model = interlace.Model(name, **{**ENGINE_OVERRIDES, **overrides})
     model.engine  # start now, so a start-up failure shows in the fixture, not in a test
     return model
+
+
+def shared_memory_files(pids) -> list[Path]:
+    """The files directly in /dev/shm that the processes ``pids`` (ints or psutil.Process) have
+    mapped: an engine's segments (vLLM's message queues between its processes). Read by the
+    fault tests, which check that none outlives its engine."""
+    import psutil
+
+    paths = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            process = pid if isinstance(pid, psutil.Process) else psutil.Process(pid)
+            paths |= {Path(m.path) for m in process.memory_maps() if os.path.dirname(m.path) == "/dev/shm"}
+    return sorted(paths)
 
 
 _KEPT: dict[tuple, interlace.Model] = {}

@@ -23,6 +23,7 @@ from interlace import ops
 from interlace.cluster.config import ClusterConfig
 from interlace.cluster.shards import joined_invokes, plan_shards
 from interlace.core.trace import Invoke
+from conftest import shared_memory_files
 
 MAX_IN_FLIGHT = 4
 ATOL = 1e-4 if not torch.cuda.is_available() else 1e-2  # TF32 matmuls and TP's reduction order on GPUs
@@ -289,18 +290,6 @@ def _engine_core(replica_pid: int) -> int:
     return (named or psutil.Process(replica_pid).children())[0].pid
 
 
-def _shared_memory(pid: int) -> set[str]:
-    """The shared-memory segments (/dev/shm/psm_*) a process and its children have mapped."""
-    root = psutil.Process(pid)
-    paths = set()
-    for process in [root, *root.children(recursive=True)]:
-        try:
-            paths |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_")}
-        except psutil.Error:
-            pass
-    return paths
-
-
 @pytest.mark.parametrize("victim", [0, 1])  # a second kill, of the other replica, after the first healed
 def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluster, llama, victim):
     count = 60
@@ -310,7 +299,8 @@ def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluste
     futures = [cluster.submit(build(cluster, i)) for i in range(count)]
     while sum(f.done() for f in futures) < 6:
         time.sleep(0.01)
-    segments = _shared_memory(replica["pid"])  # vLLM's queues between the engine's processes
+    root = psutil.Process(replica["pid"])
+    segments = shared_memory_files([root, *root.children(recursive=True)])  # vLLM's queues between the engine's processes
     assert segments
     os.kill(_engine_core(replica["pid"]), signal.SIGKILL)
     results = [f.result(timeout=300) for f in futures]  # each future resolves once
@@ -326,9 +316,9 @@ def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluste
     # tracker did, once the last process it served was gone, which on a loaded 2-core machine came
     # more than 30 s after the new replica was up (2026-12-04, 2026-12-06).
     deadline = time.monotonic() + 30
-    while [path for path in segments if os.path.exists(path)] and time.monotonic() < deadline:
+    while [path for path in segments if path.exists()] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [path for path in segments if os.path.exists(path)]
+    assert not [path for path in segments if path.exists()]
     before = cluster.status()["replicas"][victim]["shards_served"]
     again = [cluster.submit(build(cluster, i)) for i in range(8)]
     for got, ref in zip([f.result(timeout=120) for f in again], want):

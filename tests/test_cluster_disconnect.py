@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import shared_memory_files
 
 DRIVER = """
 import json, sys, time
@@ -45,17 +46,6 @@ time.sleep(600)
 
 def _sink_folders(name: str) -> list[Path]:
     return [p for root in ("/dev/shm", tempfile.gettempdir()) for p in Path(root).glob(f"interlace-{name}-*")]
-
-
-def _segments(pids: list[int]) -> list[Path]:
-    """The files directly in /dev/shm that these processes have mapped (vLLM's message queues)."""
-    paths = set()
-    for pid in pids:
-        try:
-            paths |= {Path(m.path) for m in psutil.Process(pid).memory_maps() if os.path.dirname(m.path) == "/dev/shm"}
-        except psutil.Error:
-            pass
-    return sorted(paths)
 
 
 def _running(pid: int) -> bool:
@@ -100,7 +90,7 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
         assert running["in_flight"] > 0
         assert _alive(list_actors, ray_cluster) and _alive(list_placement_groups, ray_cluster)  # what the kill must remove
         assert _sink_folders(running["name"])
-        segments = _segments(running["pids"])
+        segments = shared_memory_files(running["pids"])
         assert segments
         assert ray.available_resources().get("CPU", 0) < 2
     finally:

@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 
 import interlace
+from conftest import shared_memory_files
 
 
 def _engine_core(model: interlace.Model) -> psutil.Process:
@@ -163,14 +164,14 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
         names = [p.name() for p in left]
         assert any(n.startswith("VLLM::EngineCor") for n in names)  # (and on a CPU its worker: a GPU's is in it)
         folders = [f for f in set(root.glob("interlace-*")) - before if f.is_dir()]
-        segments = _segments(left)  # vLLM's message queues between the engine's processes
+        segments = shared_memory_files(left)  # vLLM's message queues between the engine's processes
         assert folders and (segments or torch.cuda.is_available()), (folders, segments)  # (a GPU at TP=1 has none)
         os.kill(script.pid, signal.SIGKILL)
         script.wait()
         _gone, alive = psutil.wait_procs(left, timeout=30)
         assert not alive, f"still running 30 s after the script was killed: {[(p.pid, p.name()) for p in alive]}"
-        # its report folder (a weakref finalizer's, which a kill never runs) and the segments,
-        # which the resource tracker unlinks if it outlives the rest (cluster/janitor.py)
+        # its report folder (a weakref finalizer's, which a kill never runs) and the segments go
+        # with it (cluster/janitor.py)
         deadline = time.monotonic() + 10
         while [p for p in [*folders, *segments] if p.exists()] and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -200,15 +201,6 @@ def test_cores_the_process_cannot_use_are_refused_before_the_engine_starts(monke
     monkeypatch.setenv("INTERLACE_CPU_CORES", str(usable[0]))
     prepare_environment(ModelConfig.load("tiny-llama"))
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(usable[0])
-
-
-def _segments(processes: list[psutil.Process]) -> list[Path]:
-    """The files directly in /dev/shm that ``processes`` have mapped."""
-    paths = set()
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            paths |= {Path(m.path) for m in process.memory_maps() if os.path.dirname(m.path) == "/dev/shm"}
-    return sorted(paths)
 
 
 SPAWNING_SCRIPT = """
