@@ -8,8 +8,7 @@
   results with the one merge function for shared values (:mod:`interlace.core.merge`, which
   programs' ``m.share`` checks its merge against in the engine);
 - Ray: engine replicas as actors (:mod:`~interlace.cluster.replica`) on placement groups
-  (:mod:`~interlace.cluster.placement`), the collector actor (:mod:`~interlace.cluster.collector`),
-  and the janitor that removes a dead replica's report folders (:mod:`~interlace.cluster.janitor`);
+  (:mod:`~interlace.cluster.placement`) and the collector actor (:mod:`~interlace.cluster.collector`);
 - :mod:`interlace.cluster.serve`: the Ray Serve application;
 - :mod:`interlace.cluster.sweep`: sweeps over datasets of prompts.
 

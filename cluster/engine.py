@@ -35,7 +35,7 @@ from typing import Any
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine_processes import fork_engine_cores, spawn_engine_cores_without_main
-from interlace.cluster.janitor import remove_on_exit
+from interlace.core.janitor import remove_on_exit, shared_memory_files
 from interlace.cluster.placement import CPU_RANK
 from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, OWNER_ENV, SPLITTING_OPS, TAPS_KEY
 
@@ -249,6 +249,8 @@ def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
     llm.collective_rpc("interlace_install", args=(all_module_names(llm.collective_rpc("interlace_module_names")),))
     _wake_waiters_when_the_engine_dies(llm.llm_engine.engine_core)
     _segments_removed_at_the_end(llm, llm.llm_engine.engine_core)
+    if llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "ray":
+        llm.collective_rpc("interlace_remove_segments_on_exit")
     return llm
 
 
@@ -354,6 +356,8 @@ async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overr
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))
     _segments_removed_at_the_end(engine, engine.engine_core)
+    if vllm_config.parallel_config.distributed_executor_backend == "ray":
+        await engine.collective_rpc("interlace_remove_segments_on_exit")
     return engine
 
 
@@ -411,11 +415,12 @@ def shutdown_engine(engine) -> None:
 def _segments_removed_at_the_end(engine, client) -> None:
     """Have the shared-memory files of the engine's processes (its engine core's and its workers')
     removed when the engine is shut down, and when this process ends however it ends
-    (cluster/janitor.py). vLLM's message queues between its processes (``/dev/shm/psm_*``) are
+    (driver/core/janitor.py). vLLM's message queues between its processes (``/dev/shm/psm_*``) are
     unlinked by their creator or its multiprocessing resource tracker; both die with a Ray actor
     that Ray kills, and a replica's every such end left them behind (hundreds of MiB each, as the
     queues fill). On a CPU at TP or PP > 1 vLLM's shared-memory communicator (``*-cpushm_*``)
-    unlinks its segments never. Ranks on other nodes (Ray's executor) are not this node's to clean."""
+    unlinks its segments never. Ranks that Ray's executor started are no descendants of the engine
+    core: each hands its own to a janitor (``interlace_remove_segments_on_exit``)."""
     engine.interlace_segments = segments = engine_segments(client)
     remove_on_exit(*segments)
 
@@ -431,13 +436,4 @@ def engine_segments(client) -> list[str]:
     for pid in cores:
         with contextlib.suppress(psutil.Error):
             pids += [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-    found: set[str] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                # (report files live in folders of their own; a deleted file's name may be another's by now)
-                if os.path.dirname(path) == "/dev/shm" and not path.endswith(" (deleted)"):
-                    found.add(path)
-    return sorted(found)
+    return shared_memory_files(pids)

@@ -36,7 +36,7 @@ from interlace.cluster.assembly import ReportsMissing, ReportWatcher, build_requ
 from interlace.cluster.config import ClusterConfig, ModelConfig
 from interlace.cluster.engine import all_module_names, shutdown_engine, start_async_engine
 from interlace.cluster.engine_processes import start_fork_server
-from interlace.cluster.janitor import remove_on_exit
+from interlace.core.janitor import remove_on_exit
 from interlace.cluster.placement import host_actor_options
 from interlace.cluster.serve.state import SharedState
 from interlace.core import settings

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 from interlace.cluster.assembly import ReportsMissing, ReportWatcher, assemble, build_requests
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine import all_module_names, refuse_graph_settings, shutdown_engine, start_engine
-from interlace.cluster.janitor import remove_on_exit
+from interlace.core.janitor import remove_on_exit
 from interlace.core import settings as interlace_settings
 from interlace.core.ops import step_list
 from interlace.core.trace import (

