@@ -49,6 +49,7 @@ from interlace.core.trace import (
     echo_printed,
     encode_payloads,
     new_trace_id,
+    op_list,
     prompt_of,
 )
 from interlace.core.wire import Completion, Report
@@ -166,7 +167,7 @@ class Model:
         return Trace(self, settings, timeout_s or interlace_settings.trace_timeout_s(), max_save_bytes)
 
     def generate(self, prompt: str | list[int], program: Callable | None = None,
-                 ops: Iterable[dict] = (), steps: Iterable[int] | None = None, **trace_kwargs: Any) -> InvokeResult:
+                 ops: Iterable[dict] | None = (), steps: Iterable[int] | None = None, **trace_kwargs: Any) -> InvokeResult:
         """One invoke in its own trace; returns its :class:`InvokeResult`."""
         with self.trace(**trace_kwargs) as tr:
             tr.invoke(prompt, program=program, ops=ops, steps=steps)
@@ -323,7 +324,7 @@ class Trace:
         return self._result
 
     def invoke(self, prompt: str | list[int], program: Callable | None = None,
-               ops: Iterable[dict] = (), steps: Iterable[int] | None = None) -> int:
+               ops: Iterable[dict] | None = (), steps: Iterable[int] | None = None) -> int:
         """Add a prompt (text, or token ids: see core.trace.prompt_of) with an optional program and
         ops; returns its index."""
         if self._result is not None:  # it would not run, and tr.result would silently lack it
@@ -334,7 +335,7 @@ class Trace:
             check_program(program)
         else:
             check_programless(steps)
-        self.invokes.append(Invoke(prompt, program, list(ops), step_list(steps)))
+        self.invokes.append(Invoke(prompt, program, op_list(ops), step_list(steps)))
         return len(self.invokes) - 1
 
     def run(self) -> TraceResult:

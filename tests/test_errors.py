@@ -436,6 +436,7 @@ def test_nnsights_save_gradients_and_breakpoints_fail_saying_what_to_do_instead(
 
 
 def test_malformed_requests_are_refused_on_the_driver(llama):
+    want_plain = llama.generate(PROMPT, max_tokens=2).token_ids
     for bad in (123, [[5, 6, 7]], [5.0, 6.0], [True, False], torch.tensor([[5, 6, 7]]), np.array([5.5])):
         with pytest.raises(TypeError, match="prompt must be text or token ids"):
             llama.generate(bad)
@@ -479,6 +480,11 @@ def test_malformed_requests_are_refused_on_the_driver(llama):
         llama.generate(PROMPT, n=2, temperature=1.0)
     with pytest.raises(TypeError, match="made with interlace.ops"):  # a hand-made op dict
         llama.generate(PROMPT, ops=[{"op": "zero", "point": "layers.1.resid"}])
+    # One op not in a list was refused as "not made with interlace.ops, got 'op'" (a dict's keys),
+    # and ops=None, as program=None takes, with "'NoneType' object is not iterable"
+    with pytest.raises(TypeError, match=r"ops takes a list of ops, got one op \(save at layers.1.resid\): pass ops=\[...\]"):
+        llama.generate(PROMPT, ops=ops.save("layers.1.resid"))
+    assert llama.generate(PROMPT, ops=None, max_tokens=2).token_ids == want_plain
 
 
 def test_sampling_settings_the_engine_core_cannot_decode_are_refused_and_the_engine_serves_on(llama):
@@ -601,6 +607,13 @@ def test_unpicklable_program_dependency_fails_cleanly(llama, oracles):
         with llama.trace(max_tokens=2) as tr:
             tr.invoke(PROMPT)
             tr.invoke(PROMPT, program=Probe().run)
+    # A save that cannot travel back fails its invoke naming the save (pickle named only the type)
+    with pytest.raises(interlace.InterventionError, match=r"invoke 1 failed at reporting results of save 'held' "
+                                                          r"\(lock\).*cannot pickle '_thread.lock' object") as err:
+        with llama.trace(max_tokens=2) as tr:
+            tr.invoke(PROMPT, program=lambda m: m.save("x", m.layers[0].resid))
+            tr.invoke(PROMPT, program=lambda m: (m.save("x", m.layers[0].resid), m.save("held", threading.Lock())))
+    assert err.value.partial[0].saves["x"].shape[0] > 0  # its neighbour's saves came back
     _still_serves(llama, oracles)
 
 

@@ -10,12 +10,14 @@ module-level ``_write_*`` functions run on that thread and write through the tra
 from __future__ import annotations
 
 import functools
+import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
+import torch
 
 from interlace.workers import report_file
 from interlace.workers.calls import error_record
@@ -217,9 +219,29 @@ def _write_batch(batch: _Batch, rows: list[dict[str, Any]] | None = None) -> Non
         try:
             open_sink(sink).write(trace, stage, [report])
         except Exception as exc:  # noqa: BLE001
-            record = error_record(exc, where="reporting results") if report["saves"] else batch_error
+            record = error_record(exc, where="reporting results" + _unsendable(report)) if report["saves"] else batch_error
             report.update(saves={}, shared=[], error=report["error"] or record)
             open_sink(sink).write(trace, stage, [report])
+
+
+def _unsendable(report: dict) -> str:
+    """Which of a report's saves cannot be pickled (the first), for its error: " of save 'x' (lock)".
+    A program may save any value; one that cannot travel (a lock, a generator, a local function)
+    fails its invoke when its report is written, and among many saves its name is what says which."""
+    for name, value in report["saves"].items():
+        if not isinstance(value, torch.Tensor) and not _pickles(value):
+            while isinstance(value, (list, tuple)):  # (a value saved at several steps is a list of them)
+                value = next((item for item in value if not _pickles(item)), None)
+            return f" of save {name!r} ({type(value).__name__})"
+    return ""
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - whatever pickling raises
+        return False
+    return True
 
 
 def _owners_with_rows(taken: TakenSaves) -> set[int]:

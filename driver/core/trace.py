@@ -98,6 +98,25 @@ def check_program(program: Any) -> None:
                         "view m, as the engine calls it at every step: define it as `def program(m): ...`") from None
 
 
+def op_list(ops: Any) -> list[dict]:
+    """An invoke's ops as a list; None is none, as for ``program``. One op not in a list is refused
+    saying so: as a list, a dict is its keys, which were refused as "not made with interlace.ops".
+
+        >>> op_list(None)
+        []
+        >>> op_list({"op": "save", "point": "logits", "key": "k"})
+        Traceback (most recent call last):
+        TypeError: ops takes a list of ops, got one op (save at logits): pass ops=[...]
+    """
+    if ops is None:
+        return []
+    if isinstance(ops, dict):
+        raise TypeError(f"ops takes a list of ops, got one op ({ops.get('op')} at {ops.get('point')}): pass ops=[...]")
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
+        raise TypeError(f"ops takes a list of ops made with interlace.ops (save, add, ...), got {ops!r}")
+    return list(ops)
+
+
 def prompt_of(prompt: Any) -> str | list[int]:
     """A prompt as the engine takes it: text, or token ids as a list of ints. Ids may be any
     integers (numpy's too) in a list or tuple, or a 1-D integer numpy array or torch tensor
