@@ -35,7 +35,7 @@ from typing import Any
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine_processes import fork_engine_cores, spawn_engine_cores_without_main
-from interlace.core.janitor import remove_on_exit, shared_memory_files
+from interlace.core.janitor import remove_on_exit, shared_memory_files, socket_files
 from interlace.cluster.placement import CPU_RANK
 from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, OWNER_ENV, SPLITTING_OPS, TAPS_KEY
 
@@ -244,13 +244,14 @@ def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
         spawn_engine_cores_without_main()
     prepare_environment(cfg)
     args = engine_args(cfg, **overrides)
+    sockets = own_sockets()
     with load_refusals_raised():
         llm = LLM(**args)
     llm.collective_rpc("interlace_install", args=(all_module_names(llm.collective_rpc("interlace_module_names")),))
     _wake_waiters_when_the_engine_dies(llm.llm_engine.engine_core)
-    _segments_removed_at_the_end(llm, llm.llm_engine.engine_core)
+    _files_removed_at_the_end(llm, llm.llm_engine.engine_core, sockets)
     if llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "ray":
-        llm.collective_rpc("interlace_remove_segments_on_exit")
+        llm.collective_rpc("interlace_remove_files_on_exit")
     return llm
 
 
@@ -343,6 +344,7 @@ async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overr
     if cpu_ranks_on_ray:
         os.environ[CPU_RAY_ENV] = CPU_RANK  # this process's and its engine core's plugin (workers/plugin.py)
     args = AsyncEngineArgs(**kwargs)
+    sockets = own_sockets()
     with load_refusals_raised():
         # In a Ray actor vLLM takes the actor's placement group (a spread replica's bundles,
         # cluster/placement.py) and runtime environment for its Ray workers.
@@ -355,9 +357,9 @@ async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overr
     engine.interlace_latest_stats = latest  # {"scheduler": SchedulerStats}: KV-cache use for metrics (keep_stats)
     names = all_module_names(await engine.collective_rpc("interlace_module_names"))
     await engine.collective_rpc("interlace_install", args=(names,))
-    _segments_removed_at_the_end(engine, engine.engine_core)
+    _files_removed_at_the_end(engine, engine.engine_core, sockets)
     if vllm_config.parallel_config.distributed_executor_backend == "ray":
-        await engine.collective_rpc("interlace_remove_segments_on_exit")
+        await engine.collective_rpc("interlace_remove_files_on_exit")
     return engine
 
 
@@ -398,42 +400,62 @@ def all_module_names(per_rank: list[list[str]]) -> list[str]:
 
 
 def shutdown_engine(engine) -> None:
-    """Stop an engine started here, reap its processes and remove its shared-memory segments."""
+    """Stop an engine started here, reap its processes and remove the files they leave."""
     import gc
 
     if hasattr(engine, "shutdown"):  # AsyncLLM
         engine.shutdown()
     else:  # LLM: its engine core client owns the processes
         engine.llm_engine.engine_core.shutdown()
-    for path in getattr(engine, "interlace_segments", ()):  # those vLLM left (see _segments_removed_at_the_end)
+    for path in getattr(engine, "interlace_files", ()):  # those vLLM leaves (see _files_removed_at_the_end)
         with contextlib.suppress(OSError):
             os.unlink(path)
     del engine
     gc.collect()
 
 
-def _segments_removed_at_the_end(engine, client) -> None:
-    """Have the shared-memory files of the engine's processes (its engine core's and its workers')
-    removed when the engine is shut down, and when this process ends however it ends
-    (driver/core/janitor.py). vLLM's message queues between its processes (``/dev/shm/psm_*``) are
-    unlinked by their creator or its multiprocessing resource tracker; both die with a Ray actor
-    that Ray kills, and a replica's every such end left them behind (hundreds of MiB each, as the
-    queues fill). On a CPU at TP or PP > 1 vLLM's shared-memory communicator (``*-cpushm_*``)
-    unlinks its segments never. Ranks that Ray's executor started are no descendants of the engine
-    core: each hands its own to a janitor (``interlace_remove_segments_on_exit``)."""
-    engine.interlace_segments = segments = engine_segments(client)
-    remove_on_exit(*segments)
+def _files_removed_at_the_end(engine, client, sockets_before: list[str]) -> None:
+    """Have the files the engine's processes leave behind (:func:`engine_files`) removed when the
+    engine is shut down, and when this process ends however it ends (driver/core/janitor.py).
+    vLLM's message queues between its processes (``/dev/shm/psm_*``) are unlinked by their
+    creator or its multiprocessing resource tracker; both die with a Ray actor that Ray kills, and
+    a replica's every such end left them behind (hundreds of MiB each, as the queues fill). On a
+    CPU at TP or PP > 1 vLLM's shared-memory communicator (``*-cpushm_*``) unlinks its segments
+    never, and no engine's shutdown removed its ZMQ sockets' files (7 in the temp folder for each
+    engine started). Ranks that Ray's executor started are no descendants of the engine core:
+    each hands its own to a janitor (``interlace_remove_files_on_exit``)."""
+    engine.interlace_files = files = engine_files(client, sockets_before)
+    remove_on_exit(*files)
 
 
-def engine_segments(client) -> list[str]:
-    """The files directly in ``/dev/shm`` that an engine's local processes have mapped: its engine
-    core (from the vLLM client ``client``) and that process's descendants (its workers)."""
+def own_sockets() -> list[str]:
+    """The ZMQ socket files this process has bound in vLLM's RPC folder (:func:`socket_files`)."""
+    from vllm import envs
+
+    return socket_files([os.getpid()], envs.VLLM_RPC_BASE_PATH)
+
+
+def engine_files(client, sockets_before: list[str]) -> list[str]:
+    """The files an engine's processes make that outlive them when they are killed: the engine
+    core's (from the vLLM client ``client``) and its descendants' (its workers) segments in
+    ``/dev/shm`` and ZMQ socket files, and those of this process's client for the engine: the
+    sockets it bound since ``sockets_before`` (:func:`own_sockets` before the engine started;
+    another engine started at the same time in this process would count its own here too, whose
+    files then go at the first close, once both engines are connected) and the start-up
+    handshake's, closed since (engine_processes._keep_handshake)."""
     import psutil
+    from vllm import envs
 
     manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-    cores = [p.pid for p in getattr(manager, "processes", ()) if p.pid is not None]
+    cores = [p for p in getattr(manager, "processes", ()) if p.pid is not None]
+    if not cores:  # an in-process engine
+        return []
     pids: list[int] = []
-    for pid in cores:
+    for core in cores:
         with contextlib.suppress(psutil.Error):
-            pids += [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-    return shared_memory_files(pids)
+            pids += [core.pid, *(c.pid for c in psutil.Process(core.pid).children(recursive=True))]
+    folder = envs.VLLM_RPC_BASE_PATH
+    handshakes = [getattr(core, "interlace_handshake", None) or "" for core in cores]
+    return sorted({*shared_memory_files(pids), *socket_files(pids, folder), *set(own_sockets()) - set(sockets_before),
+                   *(path[len("ipc://"):] for path in handshakes
+                     if path.startswith("ipc://") and os.path.dirname(path[len("ipc://"):]) == folder)})

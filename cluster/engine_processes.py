@@ -63,6 +63,7 @@ class _CallersEnvironment(ForkServerProcess):
     without importing the caller's main module (:func:`_preparation_data`)."""
 
     def start(self) -> None:
+        _keep_handshake(self)
         self._args = (dict(os.environ), self._target, self._args, self._kwargs)
         self._target, self._kwargs = _run_in_callers_environment, {}
         with _an_engine_core():
@@ -127,8 +128,17 @@ class _SpawnedCore(SpawnProcess):
     """A spawned process that does not import the caller's main module (:func:`_preparation_data`)."""
 
     def start(self) -> None:
+        _keep_handshake(self)
         with _an_engine_core():
             super().start()
+
+
+def _keep_handshake(process: multiprocessing.process.BaseProcess) -> None:
+    """Keep the address of the engine core's start-up handshake on its process object
+    (``interlace_handshake``): a ZMQ socket file that vLLM's client binds and closes, and never
+    removes. multiprocessing drops a process's arguments once it has started, so it is read here;
+    the engine's shutdown removes the file with its others (cluster/engine.py, engine_files)."""
+    process.interlace_handshake = (getattr(process, "_kwargs", None) or {}).get("handshake_address")
 
 
 class _SpawnContext(SpawnContext):

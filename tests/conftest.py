@@ -75,6 +75,25 @@ def shared_memory_files(pids) -> list[Path]:
     return sorted(paths)
 
 
+def socket_files(pids=None) -> set[Path]:
+    """The Unix socket files directly in the temp folder (where vLLM's ZMQ endpoints are made):
+    those the processes ``pids`` (ints or psutil.Process) have bound, or every one there."""
+    import psutil
+    import stat
+    import tempfile
+
+    folder = Path(tempfile.gettempdir())
+    if pids is None:
+        return {p for p in folder.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)}
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            process = pid if isinstance(pid, psutil.Process) else psutil.Process(pid)
+            found |= {Path(c.laddr) for c in process.net_connections(kind="unix")
+                      if c.laddr and Path(c.laddr).parent == folder}
+    return found
+
+
 _KEPT: dict[tuple, interlace.Model] = {}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 import interlace
-from conftest import shared_memory_files
+from conftest import shared_memory_files, socket_files
 
 
 def _engine_core(model: interlace.Model) -> psutil.Process:
@@ -32,14 +32,21 @@ def test_a_second_engine_core_forks_from_the_server_with_the_callers_environment
     server = first.parent()
     assert server.pid != os.getpid() and "forkserver" in " ".join(server.cmdline())
     monkeypatch.setenv("INTERLACE_TEST_SET_AT_START", "yes")  # set after the server started
+    sockets = socket_files()
     second = interlace.Model("tiny-llama")
     try:
         assert _engine_core(second).parent().pid == server.pid  # the same server: vLLM imported once
         assert second.generate("Hi", program=_set_at_start).saves["env"] == "yes"
         assert second.generate("Hello", max_tokens=3).token_ids == llama.generate("Hello", max_tokens=3).token_ids
+        made = socket_files() - sockets
+        assert len(made) >= 6, made  # its ZMQ endpoints' files (the client's, its core's, its worker's)
     finally:
         second.close()
     assert llama.generate("Hi", program=_set_at_start).saves["env"] is None  # started before it was set
+    # Closed, it leaves none of them: vLLM's shutdown kills its processes, and libzmq left each
+    # file (7 for every engine started), the handshake's too
+    left = socket_files() - sockets
+    assert not left, left
 
 
 def test_a_model_closed_while_a_trace_runs_fails_that_trace_rather_than_cut_it_short(tmp_path, llama):
@@ -166,6 +173,8 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
         folders = [f for f in set(root.glob("interlace-*")) - before if f.is_dir()]
         segments = shared_memory_files(left)  # vLLM's message queues between the engine's processes
         assert folders and (segments or torch.cuda.is_available()), (folders, segments)  # (a GPU at TP=1 has none)
+        sockets = socket_files([script.pid, *left])  # its ZMQ endpoints' files, the script's client's too
+        assert len(sockets) >= 4, sockets
         os.kill(script.pid, signal.SIGKILL)
         script.wait()
         _gone, alive = psutil.wait_procs(left, timeout=30)
@@ -173,9 +182,9 @@ def test_a_script_with_no_main_guard_runs_an_engine_that_ends_when_the_script_is
         # its report folder (a weakref finalizer's, which a kill never runs) and the segments go
         # with it (driver/core/janitor.py)
         deadline = time.monotonic() + 10
-        while [p for p in [*folders, *segments] if p.exists()] and time.monotonic() < deadline:
+        while [p for p in [*folders, *segments, *sockets] if p.exists()] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in [*folders, *segments] if p.exists()]
+        assert not [p for p in [*folders, *segments, *sockets] if p.exists()]
     finally:
         script.kill()
         for process in left:  # (what a failure left, for the tests after this one)

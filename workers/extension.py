@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from interlace.core.janitor import remove_on_exit, shared_memory_files
+from interlace.core.janitor import remove_on_exit, shared_memory_files, socket_files
 
 
 class InterlaceWorkerExtension:
@@ -24,16 +24,19 @@ class InterlaceWorkerExtension:
         if getattr(runner, "_interlace", None) is None:
             runner._interlace = install(runner, all_modules)
 
-    def interlace_remove_segments_on_exit(self) -> list[str]:
-        """Have the files in ``/dev/shm`` this rank's process maps removed when it ends; returns
-        them. For ranks that vLLM's Ray executor started: each is a Ray actor of its own, not a
-        descendant of the engine core whose segments the engine's starter hands to its janitor
-        (cluster/engine.py), and Ray kills it outright. On a CPU vLLM's communicator at TP or PP
-        > 1 never unlinks its segments (``*-cpushm_*``), and the TP group's message queues
-        (``psm_*``) go only with a clean exit; every spread replica left them."""
-        segments = shared_memory_files([os.getpid()])
-        remove_on_exit(*segments)
-        return segments
+    def interlace_remove_files_on_exit(self) -> list[str]:
+        """Have the files this rank's process made that outlive it when killed (the ``/dev/shm``
+        segments it maps, its ZMQ sockets' files) removed when it ends; returns them. For ranks
+        that vLLM's Ray executor started: each is a Ray actor of its own, not a descendant of the
+        engine core whose files the engine's starter hands to its janitor (cluster/engine.py), and
+        Ray kills it outright. On a CPU vLLM's communicator at TP or PP > 1 never unlinks its
+        segments (``*-cpushm_*``), and the TP group's message queues (``psm_*``) go only with a
+        clean exit; every spread replica left them."""
+        from vllm import envs
+
+        files = shared_memory_files([os.getpid()]) + socket_files([os.getpid()], envs.VLLM_RPC_BASE_PATH)
+        remove_on_exit(*files)
+        return files
 
     def interlace_module_names(self) -> list[str]:
         """Module names of this rank's model, for validating points on the driver."""

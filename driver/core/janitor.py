@@ -14,7 +14,7 @@ detaches itself (a second fork), so a worker's exit that kills its own children 
 along. Paths that are gone by then (a model closed on purpose removes its own) are skipped.
 
 :func:`shared_memory_files` names an engine's segments: the files in ``/dev/shm`` its processes
-map. The replica (or script) that starts an engine hands its engine core's and that process's
+map; :func:`socket_files` its ZMQ endpoints' socket files. The replica (or script) that starts an engine hands its engine core's and that process's
 descendants' to its own janitor; a rank that vLLM's Ray executor started is no descendant of
 either, so it hands its own to a janitor of its own (``workers/extension.py``).
 """
@@ -59,6 +59,31 @@ def shared_memory_files(pids: Iterable[int]) -> list[str]:
                 fields = line.split(maxsplit=5)
                 path = fields[5].rstrip("\n") if len(fields) == 6 else ""
                 if os.path.dirname(path) == "/dev/shm" and not path.endswith(" (deleted)"):
+                    found.add(path)
+    return sorted(found)
+
+
+def socket_files(pids: Iterable[int], folder: str | Path) -> list[str]:
+    """The Unix socket files directly in ``folder`` that the processes ``pids`` have bound (or
+    accepted connections on): the ZMQ ``ipc://`` endpoints of vLLM's processes, made in its RPC
+    folder (``VLLM_RPC_BASE_PATH``, the temp folder). libzmq leaves the file when its process is
+    killed, and a vLLM engine's shutdown kills its processes: 7 files for every engine start."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    found: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix", encoding="utf-8", errors="replace") as table:
+        next(table)  # (the header)
+        for line in table:
+            fields = line.split(maxsplit=7)  # ... Inode Path; a connecting socket has no path
+            if len(fields) == 8 and fields[6] in inodes:
+                path = fields[7].rstrip("\n")
+                if os.path.dirname(path) == os.fspath(folder):
                     found.add(path)
     return sorted(found)
 
