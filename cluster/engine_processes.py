@@ -33,7 +33,8 @@ import multiprocessing
 import os
 import threading
 from multiprocessing import spawn
-from multiprocessing.context import ForkServerContext, ForkServerProcess, SpawnContext, SpawnProcess
+from multiprocessing.context import (ForkContext, ForkProcess, ForkServerContext, ForkServerProcess, SpawnContext,
+                                     SpawnProcess)
 from typing import Any, Callable
 
 # What the fork server imports before it forks anything: vLLM's engine core and its model
@@ -141,6 +142,18 @@ def _keep_handshake(process: multiprocessing.process.BaseProcess) -> None:
     process.interlace_handshake = (getattr(process, "_kwargs", None) or {}).get("handshake_address")
 
 
+class _ForkedCore(ForkProcess):
+    """A forked engine core whose handshake address is kept (:func:`_keep_handshake`)."""
+
+    def start(self) -> None:
+        _keep_handshake(self)
+        super().start()
+
+
+class _ForkContext(ForkContext):
+    Process = _ForkedCore
+
+
 class _SpawnContext(SpawnContext):
     Process = _SpawnedCore
 
@@ -149,10 +162,13 @@ def engine_core_context() -> multiprocessing.context.BaseContext:
     """The context vLLM picks for an engine core (fork, or spawn where CUDA is initialized already
     or in a Ray actor), except that a spawned core does not import the caller's main module: a
     GPU script that made a CUDA tensor before its model (a steering vector) is spawned, and failed
-    as an unguarded script on a CPU did (:func:`_preparation_data`)."""
+    as an unguarded script on a CPU did (:func:`_preparation_data`); either keeps its handshake's
+    address (:func:`_keep_handshake`)."""
     from vllm.utils.system_utils import get_mp_context
 
     context = get_mp_context()
+    if context.get_start_method() == "fork":
+        return _ForkContext()
     if context.get_start_method() != "spawn":
         return context
     with _lock:
