@@ -13,10 +13,11 @@ caller dies, for any reason, and the janitor then removes every path it was give
 detaches itself (a second fork), so a worker's exit that kills its own children does not take it
 along. Paths that are gone by then (a model closed on purpose removes its own) are skipped.
 
-:func:`shared_memory_files` names an engine's segments: the files in ``/dev/shm`` its processes
-map; :func:`socket_files` its ZMQ endpoints' socket files. The replica (or script) that starts an engine hands its engine core's and that process's
-descendants' to its own janitor; a rank that vLLM's Ray executor started is no descendant of
-either, so it hands its own to a janitor of its own (``workers/extension.py``).
+:func:`shared_memory_files` names an engine's segments (the files in ``/dev/shm`` its processes
+map) and :func:`socket_files` its ZMQ endpoints' files. The replica (or script) that starts an
+engine hands those of its engine core and that process's descendants to its own janitor; a rank
+that vLLM's Ray executor started is no descendant of either, so it hands its own to a janitor of
+its own (``workers/extension.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ for path in paths:
         except OSError:
             pass
 """
+
 
 def shared_memory_files(pids: Iterable[int]) -> list[str]:
     """The files directly in ``/dev/shm`` that the processes ``pids`` have mapped (those gone or
