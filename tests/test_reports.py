@@ -57,7 +57,7 @@ def test_a_save_that_cannot_be_written_fails_its_own_trace_only_in_a_joined_job(
     """b's lock cannot be pickled into its header: b fails with the reason, a and c arrive."""
     got = _finish_together(tmp_path, {"b": {"lock": [threading.Lock()]}})
     [b] = got["b"]
-    assert b["error"]["where"] == "reporting results" and "pickle" in b["error"]["message"]
+    assert b["error"]["where"] == "reporting results of save 'lock' (lock)" and "pickle" in b["error"]["message"]
     for number, trace in ((1, "a"), (3, "c")):
         [report] = got[trace]
         assert report["error"] is None and torch.equal(report["saves"]["h"], torch.full((2, 4), float(number)))
