@@ -35,7 +35,7 @@ from typing import Any
 from interlace.core import settings
 from interlace.cluster.config import ModelConfig
 from interlace.cluster.engine_processes import fork_engine_cores, spawn_engine_cores_without_main
-from interlace.core.janitor import remove_on_exit, shared_memory_files, socket_files
+from interlace.core.janitor import remove_on_exit, shared_memory_files, socket_files, unbound_socket_files
 from interlace.cluster.placement import CPU_RANK
 from interlace.workers.plugin import CPU_RAY_ENV, LOAD_ERRORS_ENV, OWNER_ENV, SPLITTING_OPS, TAPS_KEY
 
@@ -245,7 +245,7 @@ def _start_engine(cfg: ModelConfig, overrides: dict[str, Any]):
     prepare_environment(cfg)
     args = engine_args(cfg, **overrides)
     sockets = own_sockets()
-    with load_refusals_raised():
+    with load_refusals_raised(), _sockets_removed_if_it_fails():
         llm = LLM(**args)
     llm.collective_rpc("interlace_install", args=(all_module_names(llm.collective_rpc("interlace_module_names")),))
     _wake_waiters_when_the_engine_dies(llm.llm_engine.engine_core)
@@ -345,7 +345,7 @@ async def start_async_engine(cfg: ModelConfig, keep_stats: bool = False, **overr
         os.environ[CPU_RAY_ENV] = CPU_RANK  # this process's and its engine core's plugin (workers/plugin.py)
     args = AsyncEngineArgs(**kwargs)
     sockets = own_sockets()
-    with load_refusals_raised():
+    with load_refusals_raised(), _sockets_removed_if_it_fails():
         # In a Ray actor vLLM takes the actor's placement group (a spread replica's bundles,
         # cluster/placement.py) and runtime environment for its Ray workers.
         vllm_config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
@@ -426,6 +426,25 @@ def _files_removed_at_the_end(engine, client, sockets_before: list[str]) -> None
     each hands its own to a janitor (``interlace_remove_files_on_exit``)."""
     engine.interlace_files = files = engine_files(client, sockets_before)
     remove_on_exit(*files)
+
+
+@contextlib.contextmanager
+def _sockets_removed_if_it_fails():
+    """Around an engine's start: if it fails, remove the ZMQ socket files made since it began
+    that nothing is bound to any more (janitor.unbound_socket_files). By then vLLM has ended the
+    engine's processes, so which files were theirs can no longer be read (engine_files): each
+    failed start left 7 in the temp folder. A file another engine bound in the meantime is still
+    bound, and stays."""
+    from vllm import envs
+
+    since = time.time()
+    try:
+        yield
+    except BaseException:
+        for path in unbound_socket_files(envs.VLLM_RPC_BASE_PATH, since):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
 
 
 def own_sockets() -> list[str]:

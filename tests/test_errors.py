@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import socket_files
 import interlace
 from interlace import ops
 from interlace.core.trace import Invoke
@@ -183,12 +184,15 @@ def test_huge_saves_are_refused(llama, oracles):
 
 def test_an_engine_core_that_cannot_start_says_why():
     """vLLM raises only "Engine core initialization failed. See root cause above." in the caller;
-    the cause (here a KV cache too small for one block) was in the engine core's log only."""
+    the cause (here a KV cache too small for one block) was in the engine core's log only. The
+    failed start leaves none of its processes' socket files (it left 7 in the temp folder)."""
     from interlace.cluster.config import ModelConfig
 
+    before = socket_files()
     cfg = ModelConfig.load("tiny-llama").model_copy(update={"kv_cache_bytes": 1024})
     with pytest.raises(ValueError, match="the engine could not start: No available memory for the cache blocks"):
         interlace.Model(cfg).engine
+    assert socket_files() <= before
 
 
 def _holds_itself(m):

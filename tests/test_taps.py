@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import socket_files
 import interlace
 from interlace import ops
 from interlace.cluster.config import ModelConfig
@@ -230,6 +231,7 @@ def test_a_tap_at_an_output_that_is_not_an_attention_or_mlp_block_is_refused():
     vLLM's "Engine core initialization failed"."""
     load_errors = lambda: set(Path(tempfile.gettempdir()).glob("interlace-load-errors-*"))  # noqa: E731
     before = load_errors()  # a process killed while starting an engine leaves its file: not this test's
+    sockets = socket_files()
     with pytest.raises(ValueError, match="graph tap 'layers.1.input_layernorm.output': RMSNorm is not an attention "
                                          "or MLP block") as refused:
         interlace.Model("tiny-llama", graph_taps=["layers.1.input_layernorm.output"]).engine
@@ -240,6 +242,7 @@ def test_a_tap_at_an_output_that_is_not_an_attention_or_mlp_block_is_refused():
         asyncio.run(start_async_engine(typo))
     assert "INTERLACE_LOAD_ERRORS" not in os.environ
     assert load_errors() <= before  # each start's file went with it
+    assert socket_files() <= sockets  # and its processes' socket files (7 a start were left)
 
 
 def test_a_worker_tells_only_a_start_still_waiting_for_its_refusals(tmp_path, monkeypatch):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import subprocess
 import sys
 import threading
@@ -88,6 +90,43 @@ def socket_files(pids: Iterable[int], folder: str | Path) -> list[str]:
                 if os.path.dirname(path) == os.fspath(folder):
                     found.add(path)
     return sorted(found)
+
+
+def _bound_sockets() -> set[str]:
+    """The paths of the Unix sockets bound now in this network namespace."""
+    bound: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix", encoding="utf-8", errors="replace") as table:
+        next(table)  # (the header)
+        for line in table:
+            fields = line.split(maxsplit=7)
+            if len(fields) == 8:
+                bound.add(fields[7].rstrip("\n"))
+    return bound
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def unbound_socket_files(folder: str | Path, since: float) -> list[str]:
+    """vLLM's ZMQ socket files in ``folder`` (named by a uuid4) made at ``since`` (a
+    ``time.time()``) or later that no socket is bound to any more: an engine that failed to start
+    leaves these (7 on a CPU), and its processes are gone before anything can read which files
+    they bound (:func:`socket_files`). Such a file can take no connection, so removing it harms
+    no one, whoever made it; files are listed before the bound sockets are read, so one being
+    bound as this runs is seen bound. (A socket bound by a process in another network namespace
+    that shares this folder is not seen: none of vLLM's.)"""
+    made: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                # file times are a clock tick coarse (up to 10 ms): one made just after ``since`` may read earlier
+                if _UUID.fullmatch(entry.name) and stat.S_ISSOCK(info.st_mode) and info.st_ctime >= since - 0.05:
+                    made.append(entry.path)
+    if not made:
+        return []
+    bound = _bound_sockets()
+    return sorted(path for path in made if path not in bound)
 
 
 _lock = threading.Lock()
