@@ -108,7 +108,9 @@ class Replica:
                 "in_flight": self.in_flight, "max_in_flight_seen": self.max_in_flight_seen,
                 "shards_served": self.shards_served, "engine_pids": self.engine_pids(),
                 "reports_delivered": ray.get(self._inbox.count.remote()) if self._inbox is not None else 0,
-                "module_names": self._module_names}
+                "module_names": self._module_names,
+                # requests its engine has not finished (a shard's requests are aborted when the shard is cancelled)
+                "engine_requests": self._engine.get_num_unfinished_requests() if self._engine is not None else 0}
 
     async def step_counts(self) -> list[dict[str, Any]]:
         """Each rank's step counters, as ``interlace.Model.step_counts`` has them: ``graph_steps``,

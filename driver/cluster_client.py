@@ -403,7 +403,8 @@ class Cluster:
         }
 
     def replica_info(self) -> list[dict]:
-        """Each replica's own report (pid, engine pids, the most shards it ever ran at once)."""
+        """Each replica's own report (pid, engine pids, the most shards it ever ran at once, the
+        requests its engine has not finished)."""
         import ray
 
         return ray.get([s.actor.info.remote() for s in self._replicas])

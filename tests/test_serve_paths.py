@@ -1,6 +1,6 @@
 """The Serve application's paths that need a fault, a clock or load: a server fault mid-stream,
-the 504 of ``limits.max_trace_s``, a cancelled asynchronous trace, and Serve autoscaling the engine
-replicas up and back down.
+the 504 of ``limits.max_trace_s``, a cancelled asynchronous trace, a client that hangs up, and Serve
+autoscaling the engine replicas up and back down.
 
 Real parts only: a local Ray started here, the Serve application on 127.0.0.1, HTTP through
 httpx, CPU engines of the tiny Llama. Two applications, one after the other on the same Ray (at
@@ -172,11 +172,15 @@ def plain_answer(strict):
 def _stopped_on_the_engine(url: str, end):
     """``end()`` (what waits for, or makes, the end of the slow trace) after the trace is seen
     running on the engine replica; then the trace stops there within 3 s (left running, it held the
-    replica some 12 s more) and its token's slot is free. Returns what ``end`` returned."""
-    replica = str(_engine_handle().info.remote().result()["pid"])
+    replica some 12 s more): the replica runs no shard of it, its engine has none of its requests
+    left (a shard whose call was cancelled but whose requests ran on was seen by the first alone),
+    and its token's slot is free. Returns what ``end`` returned."""
+    engine = _engine_handle()
+    replica = str(engine.info.remote().result()["pid"])
     _wait_until("the slow trace runs on the engine", lambda: _shards_in_flight(url).get(replica, 0) >= 1, MAX_TRACE_S)
     ended = end()
-    _wait_until("the trace stops on the engine", lambda: _shards_in_flight(url)[replica] == 0, 3.0)
+    _wait_until("the trace stops on the engine", lambda: _shards_in_flight(url)[replica] == 0
+                and engine.info.remote().result()["engine_requests"] == 0, 3.0)
     assert _scrape(url)[("interlace_traces_in_flight", ())] == 0
     return ended
 
@@ -215,6 +219,28 @@ class TestStrictEndpoint:
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelling"
         answer = httpx.get(trace, headers=auth)
         assert answer.status_code == 499 and answer.json()["error"]["type"] == "Cancelled"
+        _same_answer(_post(strict, PLAIN).json(), plain_answer)
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streamed"])
+    def test_a_client_that_hangs_up_stops_its_trace_on_the_engine(self, strict, plain_answer, stream):
+        """A client that closes its connection mid-trace (a killed script, a dropped network) gets
+        its trace stopped on the engine, well before ``max_trace_s`` would stop it (it stopped
+        about 1 s after the close here), and the endpoint serves on."""
+        host, port = strict.split("//")[1].split(":")
+        body = json.dumps(SLOW | {"stream": stream}).encode()
+        started = time.monotonic()
+        client = socket.create_connection((host, int(port)))  # raw, so that closing it hangs up at once
+        client.sendall(f"POST /v1/traces HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {CODE}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+
+        def hang_up():
+            if stream:  # the stream has begun
+                client.settimeout(30)
+                assert client.recv(64).startswith(b"HTTP/1.1 200")
+            client.close()
+
+        _stopped_on_the_engine(strict, hang_up)
+        assert time.monotonic() - started < MAX_TRACE_S  # its hang-up stopped it, not the limit
         _same_answer(_post(strict, PLAIN).json(), plain_answer)
 
     def test_an_engine_replica_killed_mid_stream_ends_it_with_an_error_event_and_is_replaced(self, strict, plain_answer):
