@@ -474,6 +474,12 @@ def print_tail() -> None:
             print(f"    {1000 * (started - end):8.1f} .. {1000 * (ended - end):8.1f}  {label.strip()}")
 
 
+def _write_logs_kept(model) -> int:
+    """Program invokes admitted with a write log so far (workers/write_log.py): where the KV cache
+    could preempt them, a case measures the logging path, not the one an ample cache takes."""
+    return sum(rank["write_logs"].get("kept", 0) for rank in model.step_counts())
+
+
 def _print_profile(profile, top: int, steps: int) -> None:
     """The runner steps' functions with the most own time, per step (times are cProfile's, so
     inflated for Python-heavy code: compare cases, not with the wall times above)."""
@@ -715,6 +721,7 @@ def main() -> None:
                 timeline = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True)
             whole = PROFILE[0] if args.profile_all else None
             PROFILE[0] = None if whole is not None else PROFILE[0]
+            logs_kept = _write_logs_kept(model)
             with ablated, timeline as recorded:
                 if whole is not None:
                     whole.enable()
@@ -723,6 +730,7 @@ def main() -> None:
                     whole.disable()
                     PROFILE[0] = whole
             process_cpu = time.process_time() - process_cpu
+            logs_kept = _write_logs_kept(model) - logs_kept
             segments = _device_segments() - segments
             profile, PROFILE[0] = PROFILE[0], None
             inside = {label: prof for label, prof in profiled.items()}
@@ -734,7 +742,9 @@ def main() -> None:
             steps = max(1, COUNTS["runner.execute_model"])
             print(f"\n{name}{variant}: {seconds:.3f} s, {tokens / seconds:.0f} tok/s, {steps} steps, {saved:.0f} MiB saved, "
                   f"{tail} from the last step to the results, {segments} device memory segments allocated (cudaMalloc); "
-                  f"process CPU {process_cpu:.3f} s in all threads, torch intra-op threads {torch.get_num_threads()}")
+                  f"process CPU {process_cpu:.3f} s in all threads, torch intra-op threads {torch.get_num_threads()}"
+                  + (f"; {logs_kept} invoke(s) kept a write log (the KV cache could preempt them: their programs' "
+                     "writes were logged, and each started alone; --kv-gib for an ample cache)" if logs_kept else ""))
             for label, total in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
                 print(f"  {label:34} {total:8.3f} s  {1000 * total / steps:8.3f} ms/step  ({COUNTS[label]} calls)"
                       + (f"  thread CPU {CPU_TOTALS[label]:.3f} s" if label in CPU_TOTALS else ""))
