@@ -35,7 +35,10 @@ import threading
 from multiprocessing import spawn
 from multiprocessing.context import (ForkContext, ForkProcess, ForkServerContext, ForkServerProcess, SpawnContext,
                                      SpawnProcess)
+from multiprocessing import util as multiprocessing_util
 from typing import Any, Callable
+
+from interlace.core.janitor import remove_on_exit
 
 # What the fork server imports before it forks anything: vLLM's engine core and its model
 # executor (torch, transformers), and the interlace plugin every rank loads.
@@ -69,6 +72,7 @@ class _CallersEnvironment(ForkServerProcess):
         self._target, self._kwargs = _run_in_callers_environment, {}
         with _an_engine_core():
             super().start()
+        _temp_dir_removed_on_exit()
 
 
 _starting = threading.local()  # this thread is starting an engine core (_an_engine_core)
@@ -212,6 +216,21 @@ def start_fork_server() -> None:
 
     _server_context()
     forkserver.ensure_running()
+    _temp_dir_removed_on_exit()
+
+
+_temp_dir_of: int | None = None  # the process whose multiprocessing temp folder went to its janitor
+
+
+def _temp_dir_removed_on_exit() -> None:
+    """Have this process's multiprocessing temp folder (``pymp-*``, where the fork server's
+    listening socket is) removed when the process ends, however it ends (driver/core/janitor.py).
+    multiprocessing removes it at a normal exit only; Ray kills a replica actor outright, and
+    every replica left one in the temp folder."""
+    global _temp_dir_of
+    if _temp_dir_of != os.getpid():
+        _temp_dir_of = os.getpid()
+        remove_on_exit(multiprocessing_util.get_temp_dir())
 
 
 def fork_engine_cores() -> None:

@@ -9,6 +9,7 @@ must get its CPUs back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,6 +47,16 @@ time.sleep(600)
 
 def _sink_folders(name: str) -> list[Path]:
     return [p for root in ("/dev/shm", tempfile.gettempdir()) for p in Path(root).glob(f"interlace-{name}-*")]
+
+
+def _multiprocessing_temp_dirs(pids) -> list[Path]:
+    """The multiprocessing temp folders (``pymp-*``) where the processes ``pids`` listen (a fork server's socket)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            found |= {Path(c.laddr).parent for c in psutil.Process(pid).net_connections(kind="unix")
+                      if c.laddr and Path(c.laddr).parent.name.startswith("pymp-")}
+    return sorted(found)
 
 
 def _running(pid: int) -> bool:
@@ -92,6 +103,8 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
         assert _sink_folders(running["name"])
         segments = shared_memory_files(running["pids"])
         assert segments
+        temp_dirs = _multiprocessing_temp_dirs(running["pids"])
+        assert temp_dirs  # the replica's fork server listens in one
         assert ray.available_resources().get("CPU", 0) < 2
     finally:
         os.kill(driver.pid, signal.SIGKILL)
@@ -99,7 +112,7 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (
             _alive(list_actors, ray_cluster) or _alive(list_placement_groups, ray_cluster) or any(map(_running, running["pids"]))
-            or _sink_folders(running["name"]) or [p for p in segments if p.exists()]
+            or _sink_folders(running["name"]) or [p for p in segments + temp_dirs if p.exists()]
             or ray.available_resources().get("CPU", 0) < 2):
         time.sleep(0.5)
     assert _alive(list_actors, ray_cluster) == [] and _alive(list_placement_groups, ray_cluster) == []
@@ -107,4 +120,5 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
     assert _sink_folders(running["name"]) == []  # the replica's report folder
     # Ray kills the actor's children with it, the resource tracker that unlinks them among them
     assert [p for p in segments if p.exists()] == []
+    assert [p for p in temp_dirs if p.exists()] == []  # multiprocessing removes its folder at a normal exit only
     assert ray.available_resources().get("CPU", 0) == 2
