@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import shared_memory_files
 
 DRIVER = """
@@ -47,6 +48,11 @@ time.sleep(600)
 
 def _sink_folders(name: str) -> list[Path]:
     return [p for root in ("/dev/shm", tempfile.gettempdir()) for p in Path(root).glob(f"interlace-{name}-*")]
+
+
+def _file_stores() -> set[Path]:
+    """vLLM's rendezvous files for an engine's ranks (torch FileStores) in the temp folder."""
+    return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
 
 
 def _multiprocessing_temp_dirs(pids) -> list[Path]:
@@ -87,6 +93,7 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
 
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
+    stores_before = _file_stores()
     driver = subprocess.Popen([sys.executable, str(script), ray_cluster], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     try:
@@ -105,6 +112,8 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
         assert segments
         temp_dirs = _multiprocessing_temp_dirs(running["pids"])
         assert temp_dirs  # the replica's fork server listens in one
+        stores = sorted(_file_stores() - stores_before)  # its engine's ranks' rendezvous file
+        assert stores or torch.cuda.is_available()  # (vLLM 0.26's GPU executors rendezvous by TCP)
         assert ray.available_resources().get("CPU", 0) < 2
     finally:
         os.kill(driver.pid, signal.SIGKILL)
@@ -112,7 +121,7 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (
             _alive(list_actors, ray_cluster) or _alive(list_placement_groups, ray_cluster) or any(map(_running, running["pids"]))
-            or _sink_folders(running["name"]) or [p for p in segments + temp_dirs if p.exists()]
+            or _sink_folders(running["name"]) or [p for p in segments + temp_dirs + stores if p.exists()]
             or ray.available_resources().get("CPU", 0) < 2):
         time.sleep(0.5)
     assert _alive(list_actors, ray_cluster) == [] and _alive(list_placement_groups, ray_cluster) == []
@@ -121,4 +130,5 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
     # Ray kills the actor's children with it, the resource tracker that unlinks them among them
     assert [p for p in segments if p.exists()] == []
     assert [p for p in temp_dirs if p.exists()] == []  # multiprocessing removes its folder at a normal exit only
+    assert [p for p in stores if p.exists()] == []  # torch removes it when its last user closes it cleanly only
     assert ray.available_resources().get("CPU", 0) == 2

@@ -16,8 +16,9 @@ log: not to a notebook, nor to a Ray driver's exception). The refusal is also wr
 
 On a CPU it also lets vLLM's engine core process fork its workers (see
 :func:`_fork_workers_from_the_engine_core`); the engine core skips the collection of its whole
-heap as it exits (:func:`_exit_without_collecting`); on a GPU it keeps a float32 model's attention in
-float32 (:func:`float32_dots_in_float32`).
+heap as it exits (:func:`_exit_without_collecting`) and removes its ranks' rendezvous file when it
+ends (:func:`_file_store_removed_with_the_engine_core`); on a GPU it keeps a float32 model's
+attention in float32 (:func:`float32_dots_in_float32`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def register() -> None:
     _fork_workers_from_the_engine_core()
     _exit_without_collecting()
     _end_with_the_owner()
+    _file_store_removed_with_the_engine_core()
     _tell_the_caller_why_the_engine_core_failed()
     if os.environ.get(CPU_RAY_ENV):
         _ranks_on_ray_from_a_cpu(os.environ[CPU_RAY_ENV])
@@ -187,6 +189,37 @@ def _end_with_the_owner() -> None:
 
 
 _WATCHING: list[str] = []  # this process watches its owner already (register() may run twice)
+
+
+def _file_store_removed_with_the_engine_core() -> None:
+    """In an engine core that interlace started: the file through which vLLM's executor
+    rendezvous its ranks (a torch ``FileStore``, ``vllm_dist_*`` in the temp folder) goes to this
+    process's janitor (driver/core/janitor.py) as it is made, and is removed once the engine core
+    and the workers it forks have ended. torch removes it when its last user closes it, and
+    vLLM's shutdown kills its workers: every engine started left one. A vLLM whose executors make
+    no such file is left as it is."""
+    import multiprocessing
+
+    if not os.environ.get(OWNER_ENV) or not multiprocessing.current_process().name.startswith("EngineCore"):
+        return
+    from vllm.v1.executor import multiproc_executor, uniproc_executor
+
+    for module in (multiproc_executor, uniproc_executor):
+        original = getattr(module, "get_file_store_init_method", None)
+        if original is None or getattr(original, "_interlace", False):  # (register() may run twice)
+            continue
+
+        @functools.wraps(original)
+        def made(original=original) -> str:
+            method = original()
+            if method.startswith("file://"):
+                from interlace.core.janitor import remove_on_exit  # lazy: only where an engine core makes one
+
+                remove_on_exit(method[len("file://"):])
+            return method
+
+        made._interlace = True
+        module.get_file_store_init_method = made
 
 
 def _tell_the_caller_why_the_engine_core_failed() -> None:
