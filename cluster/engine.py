@@ -431,20 +431,29 @@ def _files_removed_at_the_end(engine, client, sockets_before: list[str]) -> None
 @contextlib.contextmanager
 def _sockets_removed_if_it_fails():
     """Around an engine's start: if it fails, remove the ZMQ socket files made since it began
-    that nothing is bound to any more (janitor.unbound_socket_files). By then vLLM has ended the
-    engine's processes, so which files were theirs can no longer be read (engine_files): each
-    failed start left 7 in the temp folder. A file another engine bound in the meantime is still
-    bound, and stays."""
+    that nothing is bound to any more (janitor.unbound_socket_files), now and again over the next
+    seconds, for a process of the engine that vLLM's failure path has not ended yet: which files
+    were theirs can no longer be read (engine_files), and each failed start left 7 in the temp
+    folder. A file another engine bound in the meantime is still bound, and stays."""
     from vllm import envs
 
     since = time.time()
     try:
         yield
     except BaseException:
-        for path in unbound_socket_files(envs.VLLM_RPC_BASE_PATH, since):
+        folder = envs.VLLM_RPC_BASE_PATH
+        _remove_unbound_sockets(folder, since)
+        threading.Thread(target=_remove_unbound_sockets, args=(folder, since, (1.0, 2.0, 7.0)), daemon=True,
+                         name="interlace-failed-start-sockets").start()
+        raise
+
+
+def _remove_unbound_sockets(folder: str, since: float, waits: tuple[float, ...] = (0.0,)) -> None:
+    for wait in waits:
+        time.sleep(wait)
+        for path in unbound_socket_files(folder, since):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        raise
 
 
 def own_sockets() -> list[str]:

@@ -94,6 +94,17 @@ def socket_files(pids=None) -> set[Path]:
     return found
 
 
+def no_new_socket_files(before: set[Path], timeout_s: float = 15) -> None:
+    """No socket file in the temp folder besides ``before`` within ``timeout_s`` (a failed
+    engine start removes its own over a few seconds: cluster/engine.py)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while socket_files() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not socket_files() - before
+
+
 _KEPT: dict[tuple, interlace.Model] = {}
 
 

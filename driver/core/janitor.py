@@ -29,6 +29,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -107,21 +108,23 @@ def _bound_sockets() -> set[str]:
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-def unbound_socket_files(folder: str | Path, since: float) -> list[str]:
+def unbound_socket_files(folder: str | Path, since: float, settled_s: float = 0.5) -> list[str]:
     """vLLM's ZMQ socket files in ``folder`` (named by a uuid4) made at ``since`` (a
     ``time.time()``) or later that no socket is bound to any more: an engine that failed to start
     leaves these (7 on a CPU), and its processes are gone before anything can read which files
     they bound (:func:`socket_files`). Such a file can take no connection, so removing it harms
-    no one, whoever made it; files are listed before the bound sockets are read, so one being
-    bound as this runs is seen bound. (A socket bound by a process in another network namespace
-    that shares this folder is not seen: none of vLLM's.)"""
+    no one, whoever made it. Only files made ``settled_s`` ago or earlier are named: a socket's
+    file exists a moment before the socket is listed as bound to it. (A socket bound by a process
+    in another network namespace that shares this folder is not seen: none of vLLM's.)"""
     made: list[str] = []
+    settled = time.time() - settled_s
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
         for entry in entries:
             with contextlib.suppress(OSError):
                 info = entry.stat(follow_symlinks=False)
                 # file times are a clock tick coarse (up to 10 ms): one made just after ``since`` may read earlier
-                if _UUID.fullmatch(entry.name) and stat.S_ISSOCK(info.st_mode) and info.st_ctime >= since - 0.05:
+                if (_UUID.fullmatch(entry.name) and stat.S_ISSOCK(info.st_mode)
+                        and since - 0.05 <= info.st_ctime <= settled):
                     made.append(entry.path)
     if not made:
         return []
