@@ -81,27 +81,19 @@ def socket_files(pids: Iterable[int], folder: str | Path) -> list[str]:
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if link.startswith("socket:["):
                         inodes.add(link[8:-1])
-    found: set[str] = set()
+    return sorted({path for inode, path in _bound_sockets() if inode in inodes
+                   and os.path.dirname(path) == os.fspath(folder)})
+
+
+def _bound_sockets() -> list[tuple[str, str]]:
+    """(inode, path) of each Unix socket bound to a path now, in this network namespace."""
+    bound: list[tuple[str, str]] = []
     with contextlib.suppress(OSError), open("/proc/net/unix", encoding="utf-8", errors="replace") as table:
         next(table)  # (the header)
         for line in table:
             fields = line.split(maxsplit=7)  # ... Inode Path; a connecting socket has no path
-            if len(fields) == 8 and fields[6] in inodes:
-                path = fields[7].rstrip("\n")
-                if os.path.dirname(path) == os.fspath(folder):
-                    found.add(path)
-    return sorted(found)
-
-
-def _bound_sockets() -> set[str]:
-    """The paths of the Unix sockets bound now in this network namespace."""
-    bound: set[str] = set()
-    with contextlib.suppress(OSError), open("/proc/net/unix", encoding="utf-8", errors="replace") as table:
-        next(table)  # (the header)
-        for line in table:
-            fields = line.split(maxsplit=7)
             if len(fields) == 8:
-                bound.add(fields[7].rstrip("\n"))
+                bound.append((fields[6], fields[7].rstrip("\n")))
     return bound
 
 
@@ -128,7 +120,7 @@ def unbound_socket_files(folder: str | Path, since: float, settled_s: float = 0.
                     made.append(entry.path)
     if not made:
         return []
-    bound = _bound_sockets()
+    bound = {path for _inode, path in _bound_sockets()}
     return sorted(path for path in made if path not in bound)
 
 
