@@ -111,7 +111,7 @@ def test_a_killed_driver_leaves_no_actors_placement_groups_processes_or_folders(
         segments = shared_memory_files(running["pids"])
         assert segments
         temp_dirs = _multiprocessing_temp_dirs(running["pids"])
-        assert temp_dirs  # the replica's fork server listens in one
+        assert temp_dirs or torch.cuda.is_available()  # a CPU replica's fork server listens in one
         stores = sorted(_file_stores() - stores_before)  # its engine's ranks' rendezvous file
         assert stores or torch.cuda.is_available()  # (vLLM 0.26's GPU executors rendezvous by TCP)
         assert ray.available_resources().get("CPU", 0) < 2
