@@ -233,7 +233,7 @@ class Model:
         try:
             states = engine.llm_engine.output_processor
             unfinished = list(states.request_states)
-            if unfinished and hasattr(states, "external_req_ids"):  # vLLM 0.32: keys are internal ids
+            if unfinished and hasattr(states, "external_req_ids"):  # vLLM 0.26 and 0.32: keys are internal ids
                 engine.llm_engine.abort_request(unfinished, internal=True)
             elif unfinished:
                 engine.llm_engine.abort_request(unfinished)

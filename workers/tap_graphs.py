@@ -38,6 +38,10 @@ def install(taps) -> None:
         from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     except ImportError:  # a vLLM without the V2 GPU runner: programs run piecewise or eager
         return
+    try:  # the target model's manager; a speculative decoder's drafter has its own, which also calls this capture
+        from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager as model_manager
+    except ImportError:
+        model_manager = CudaGraphManager
     original = CudaGraphManager.capture
     if getattr(original, "_interlace", False):
         return
@@ -45,7 +49,8 @@ def install(taps) -> None:
     @functools.wraps(original)
     def capture(self, create_forward_fn, *args, **kwargs):
         original(self, create_forward_fn, *args, **kwargs)
-        if not taps.breaks_graphs:
+        # The drafter's graphs have no taps, and its batch sizes' captures would replace the model's in taps.broken.
+        if not taps.breaks_graphs or not isinstance(self, model_manager):
             return
         try:
             _capture_broken(self, create_forward_fn, taps)
