@@ -110,7 +110,9 @@ class Replica:
                 "reports_delivered": ray.get(self._inbox.count.remote()) if self._inbox is not None else 0,
                 "module_names": self._module_names,
                 # requests its engine has not finished (a shard's requests are aborted when the shard is cancelled)
-                "engine_requests": _unfinished_requests(self._engine)}
+                # (the output processor's count: vLLM 0.32's AsyncLLM asks it too, and 0.26's has no such call)
+                "engine_requests": self._engine.output_processor.get_num_unfinished_requests()
+                                   if self._engine is not None else 0}
 
     async def step_counts(self) -> list[dict[str, Any]]:
         """Each rank's step counters, as ``interlace.Model.step_counts`` has them: ``graph_steps``,
@@ -589,12 +591,3 @@ def _read_outcome(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
 
-
-def _unfinished_requests(engine: Any) -> int:
-    """Requests ``engine`` (an AsyncLLM) has not finished. vLLM 0.32 asks ``get_num_unfinished_requests``;
-    0.26 (GPU) has no such call, and its output processor holds one state per unfinished request."""
-    if engine is None:
-        return 0
-    if hasattr(engine, "get_num_unfinished_requests"):
-        return engine.get_num_unfinished_requests()
-    return engine.output_processor.get_num_unfinished_requests()
